@@ -79,11 +79,108 @@ pub fn mkfs(device: &Path, fs_type: &str, force: bool) -> Result<()> {
     }
 }
 
-/// Grows a mounted filesystem to fill its (larger) device. Already full-size is success.
-pub fn grow(fs_type: &str, device: &Path, mount_point: &Path) -> Result<()> {
+/// Size in bytes of the filesystem on `device`, read from its superblock; `None` when the
+/// superblock is not one we understand.
+pub fn filesystem_bytes(device: &Path, fs_type: &str) -> Result<Option<u64>> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(device).context(|| format!("opening {}", device.display()))?;
+    let mut sb = [0u8; 1024];
     match fs_type {
+        "ext4" | "ext3" | "ext2" => {
+            f.read_exact_at(&mut sb, 1024).context(|| format!("reading the superblock of {}", device.display()))?;
+            let le32 = |o: usize| u32::from_le_bytes([sb[o], sb[o + 1], sb[o + 2], sb[o + 3]]) as u64;
+            if le32(0x38) & 0xffff != 0xEF53 {
+                return Ok(None);
+            }
+            let incompat_64bit = le32(0x60) & 0x80 != 0;
+            let blocks = le32(0x4) | if incompat_64bit { le32(0x150) << 32 } else { 0 };
+            Ok(Some(blocks << (10 + le32(0x18))))
+        }
+        "xfs" => {
+            f.read_exact_at(&mut sb[..512], 0).context(|| format!("reading the superblock of {}", device.display()))?;
+            if &sb[0..4] != b"XFSB" {
+                return Ok(None);
+            }
+            let blocksize = u32::from_be_bytes([sb[4], sb[5], sb[6], sb[7]]) as u64;
+            let dblocks = u64::from_be_bytes([sb[8], sb[9], sb[10], sb[11], sb[12], sb[13], sb[14], sb[15]]);
+            Ok(Some(dblocks * blocksize))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Whether the device has grown past its filesystem by at least one MiB (xfs leaves a partial
+/// allocation group unused, so smaller differences are not growth).
+pub fn needs_growth(device: &Path, fs_type: &str, device_bytes: u64) -> Result<bool> {
+    Ok(filesystem_bytes(device, fs_type)?.is_some_and(|fs| device_bytes >= fs + (1 << 20)))
+}
+
+/// Grows an *unmounted* ext filesystem: e2fsck first (resize2fs demands a freshly checked
+/// filesystem), then resize2fs. Needs no capability beyond opening the device.
+pub fn grow_offline(fs_type: &str, device: &Path) -> Result<()> {
+    if !matches!(fs_type, "ext4" | "ext3" | "ext2") {
+        return Ok(());
+    }
+    let out = Command::new("e2fsck").args(["-f", "-p"]).arg(device).stdin(Stdio::null()).output().context(|| "running e2fsck".to_string())?;
+    // 0: clean, 1: errors corrected. Anything else leaves the filesystem alone.
+    if !matches!(out.status.code(), Some(0) | Some(1)) {
+        return Err(Error::Command {
+            program: "e2fsck".into(),
+            status: out.status.to_string(),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    run("resize2fs", &[], device)
+}
+
+/// Grows a *mounted* filesystem to fill its (larger) device. Already full-size is success.
+pub fn grow(fs_type: &str, device: &Path, mount_point: &Path) -> Result<()> {
+    let res = match fs_type {
         "ext4" | "ext3" | "ext2" => run("resize2fs", &[], device),
         "xfs" => run("xfs_growfs", &["-d"], mount_point),
         other => Err(Error::FailedPrecondition(format!("cannot grow a {other} filesystem"))),
+    };
+    match res {
+        // The kernel's online ext4 resize (EXT4_IOC_RESIZE_FS) needs CAP_SYS_RESOURCE; say so
+        // instead of passing on resize2fs's bare "Permission denied".
+        Err(Error::Command { stderr, .. }) if stderr.contains("Permission denied") => Err(Error::FailedPrecondition(format!(
+            "online resize of {} was refused by the kernel: the node plugin lacks CAP_SYS_RESOURCE. \
+             Run it privileged, or unstage the volume: it is grown offline at the next NodeStageVolume",
+            device.display()
+        ))),
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn superblock_sizes_match_what_mkfs_made() {
+        let dir = tempfile::tempdir().unwrap();
+        for (fs, size) in [("ext4", 64u64 << 20), ("xfs", 300 << 20)] {
+            let img = dir.path().join(fs);
+            std::fs::File::create(&img).unwrap().set_len(size).unwrap();
+            let prog = format!("mkfs.{fs}");
+            let st = Command::new(&prog).arg("-q").arg(&img).status().unwrap_or_else(|e| panic!("{prog}: {e}"));
+            assert!(st.success());
+            let got = filesystem_bytes(&img, fs).unwrap().unwrap();
+            assert!(got <= size && got > size - (8 << 20), "{fs}: {got} of {size}");
+            assert!(!needs_growth(&img, fs, size).unwrap());
+            assert!(needs_growth(&img, fs, size * 2).unwrap());
+        }
+        assert_eq!(filesystem_bytes(&dir.path().join("ext4"), "xfs").unwrap(), None);
+    }
+
+    #[test]
+    fn offline_growth_of_ext4_reaches_the_new_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("img");
+        std::fs::File::create(&img).unwrap().set_len(32 << 20).unwrap();
+        assert!(Command::new("mkfs.ext4").arg("-q").arg(&img).status().unwrap().success());
+        std::fs::OpenOptions::new().write(true).open(&img).unwrap().set_len(64 << 20).unwrap();
+        grow_offline("ext4", &img).unwrap();
+        assert_eq!(filesystem_bytes(&img, "ext4").unwrap(), Some(64 << 20));
     }
 }

@@ -2,6 +2,7 @@ use crate::format::{self, FormatIntent, Intents};
 use crate::mounter::Mounter;
 use crate::paths::{Confined, KubeletDir, Kind};
 use crate::probe::{self, Content};
+use cloud_backend::sys::ioctl;
 use cloud_backend::sys::lock::{LockGuard, Locks};
 use cloud_backend::sys::mountinfo::{self, MountEntry};
 use cloud_backend::{AttachedDevice, Error, NodeBackend, Result};
@@ -134,13 +135,16 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
             _ => return Err(Error::FailedPrecondition(format!("{} exists and is not a directory", staging.path.display()))),
         }
         let fresh = self.ensure_filesystem(volume_id, &device, fs_type, allow_format)?;
+        // A volume restored or cloned into a larger size, or expanded while unstaged, carries a
+        // filesystem smaller than its device: grow it here. ext4 grows best before the mount
+        // (offline resize needs no CAP_SYS_RESOURCE); xfs can only grow while mounted.
+        let grow = !fresh && format::needs_growth(&device.path, fs_type, device.size_bytes)?;
+        if grow && fs_type != "xfs" {
+            format::grow_offline(fs_type, &device.path)?;
+        }
         self.mounter.mount_fs(&device.path, staging, fs_type, flags)?;
-        if !fresh {
-            // A volume restored or cloned into a larger size, or an expansion interrupted before
-            // the node step, leaves a filesystem smaller than its device: finish growing it.
-            if let Err(e) = format::grow(fs_type, &device.path, &staging.path) {
-                tracing::warn!(%volume_id, error = %e, "could not grow the filesystem to the device size at stage");
-            }
+        if grow && fs_type == "xfs" {
+            format::grow(fs_type, &device.path, &staging.path)?;
         }
         Ok(())
     }
@@ -262,13 +266,37 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                     Kind::File => {}
                     _ => return Err(Error::FailedPrecondition(format!("{} exists and is not a file; raw block targets are files", target.path.display()))),
                 }
+                // The read-only flag of a device is shared by every user of it, so read-only and
+                // read-write raw publishes of one volume cannot coexist on a node.
+                let others = self.mounter.mounts()?.into_iter().filter(|m| shows_device(m, &device.path, major, minor)).count();
+                let device_ro = ioctl::block_device_read_only(&device.path).map_err(|e| Error::io(format!("reading the read-only flag of {}", device.path.display()), e))?;
+                if others > 0 && device_ro != read_only {
+                    return Err(Error::FailedPrecondition(format!(
+                        "volume {volume_id} is already published {} on this node; a raw block volume cannot be read-only and read-write at once",
+                        if device_ro { "read-only" } else { "read-write" }
+                    )));
+                }
+                if device_ro != read_only {
+                    ioctl::set_block_device_read_only(&device.path, read_only).map_err(|e| Error::io(format!("setting the read-only flag of {}", device.path.display()), e))?;
+                }
                 self.mounter.bind(&device.path, target, read_only)
             }
         }
     }
 
-    fn unpublish(&self, target: &Confined) -> Result<()> {
+    fn unpublish(&self, rt: &tokio::runtime::Handle, volume_id: &str, target: &Confined) -> Result<()> {
+        let was_block = mountinfo::find_by_mount_point(&self.mounter.mounts()?, &target.path).is_some_and(|m| m.fs_type == "devtmpfs");
         self.unmount_all(target)?;
+        if was_block {
+            // The last raw publish gone: give the device its writability back for the next user.
+            if let Some(device) = rt.block_on(self.backend.find(volume_id))? {
+                let (major, minor) = dev_numbers(&device.path)?;
+                let still_used = self.mounter.mounts()?.iter().any(|m| shows_device(m, &device.path, major, minor));
+                if !still_used && ioctl::block_device_read_only(&device.path).unwrap_or(false) {
+                    ioctl::set_block_device_read_only(&device.path, false).map_err(|e| Error::io(format!("clearing the read-only flag of {}", device.path.display()), e))?;
+                }
+            }
+        }
         if !target.remove_if_empty()? {
             tracing::warn!(target = %target.path.display(), "target holds data this plugin did not put there; leaving it in place");
         }
@@ -425,7 +453,8 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
             return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
         }
         let guard = self.lock(&req.volume_id)?;
-        self.run(guard, move |inner, _rt| inner.unpublish(&target)).await?;
+        let id = req.volume_id.clone();
+        self.run(guard, move |inner, rt| inner.unpublish(rt, &id, &target)).await?;
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
 

@@ -1,1 +1,358 @@
+//! A harness that runs the real `csi-controller` and `csi-node` binaries on temporary Unix
+//! sockets and talks to them over gRPC, as the sidecars and kubelet would. Used by the
+//! process-level tests (this crate's `tests/`), by `cargo xtask demo` and by `cargo xtask bench`.
+//!
+//! Everything a harness creates lives under one directory (`$FERROVOL_TEST_ROOT`, else the
+//! system temp dir); dropping the harness stops the plugins, unmounts what is left under its
+//! kubelet directory and detaches loop devices backed by its files.
 
+use anyhow::{Context, Result, bail};
+use csi_proto::v1::controller_client::ControllerClient;
+use csi_proto::v1::identity_client::IdentityClient;
+use csi_proto::v1::node_client::NodeClient;
+use csi_proto::v1::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
+use csi_proto::v1::*;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+pub use csi_proto::v1;
+
+pub const MIB: i64 = 1 << 20;
+pub const NODE_ID: &str = "test-node";
+pub const DRIVER: &str = "local.csi.ferrovol.dev";
+
+/// Directory holding the driver binaries: `$FERROVOL_BIN_DIR`, else the target directory this
+/// test or tool was built into.
+pub fn bin_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("FERROVOL_BIN_DIR") {
+        return PathBuf::from(d);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("exe has a parent").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+fn test_root() -> PathBuf {
+    std::env::var_os("FERROVOL_TEST_ROOT").map(PathBuf::from).unwrap_or_else(std::env::temp_dir)
+}
+
+/// Mounting tests must not be able to leak mounts into the host: they run in a private mount
+/// namespace (`cargo xtask test` arranges it). Running them any other way is an error, not a skip.
+pub fn require_private_mount_namespace() {
+    let mine = std::fs::read_link("/proc/self/ns/mnt").ok().map(|p| p.display().to_string());
+    // `cargo xtask` records the namespace it started in; /proc/1 is the fallback (it is not
+    // readable in every sandbox).
+    let host = std::env::var("FERROVOL_HOST_MNT_NS")
+        .ok()
+        .or_else(|| std::fs::read_link("/proc/1/ns/mnt").ok().map(|p| p.display().to_string()));
+    assert!(
+        mine.is_some() && host.is_some() && mine != host,
+        "this test mounts filesystems and must run in a private mount namespace: run it through `cargo xtask test` \
+         (or `FERROVOL_HOST_MNT_NS=$(readlink /proc/self/ns/mnt) unshare --mount --propagation private cargo test …`)"
+    );
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root (loop devices and mount(2))");
+}
+
+pub struct Options {
+    pub node_extra_args: Vec<String>,
+    pub controller_extra_args: Vec<String>,
+    pub log_level: String,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { node_extra_args: vec![], controller_extra_args: vec![], log_level: "info".into() }
+    }
+}
+
+pub struct Plugin {
+    child: Option<Child>,
+    args: Vec<String>,
+    program: PathBuf,
+    pub socket: PathBuf,
+    pub log: PathBuf,
+    env: Vec<(String, String)>,
+}
+
+impl Plugin {
+    fn spawn(program: PathBuf, socket: PathBuf, log: PathBuf, args: Vec<String>, env: Vec<(String, String)>) -> Result<Self> {
+        let mut p = Plugin { child: None, args, program, socket, log, env };
+        p.start()?;
+        Ok(p)
+    }
+
+    pub fn start(&mut self) -> Result<()> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .envs(self.env.iter().cloned())
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {} (build it with `cargo build --workspace --bins`)", self.program.display()))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return Ok(());
+            }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                bail!("{} exited with {status}; log:\n{}", self.program.display(), std::fs::read_to_string(&self.log).unwrap_or_default());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        bail!("{} did not open {} within 10 s", self.program.display(), self.socket.display())
+    }
+
+    /// SIGKILL: a crash, with no chance to clean up.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait: an orderly shutdown. Returns whether it exited successfully.
+    pub fn terminate(&mut self) -> bool {
+        let Some(mut c) = self.child.take() else { return true };
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = c.try_wait() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        false
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Both plugins of the local backend on one node, sharing a state directory.
+pub struct Harness {
+    pub root: PathBuf,
+    pub kubelet: PathBuf,
+    pub state: PathBuf,
+    pub controller: Plugin,
+    pub node: Plugin,
+}
+
+impl Harness {
+    pub fn start(name: &str) -> Result<Self> {
+        Self::start_with(name, Options::default())
+    }
+
+    pub fn start_with(name: &str, opts: Options) -> Result<Self> {
+        let root = test_root().join(format!("{name}-{}-{}", std::process::id(), unique()));
+        let kubelet = root.join("kubelet");
+        let state = root.join("state");
+        for d in [&kubelet, &state, &kubelet.join("plugins/staging"), &kubelet.join("pods")] {
+            std::fs::create_dir_all(d)?;
+        }
+        let bins = bin_dir();
+        let mut c_args = vec![
+            format!("--endpoint=unix://{}", root.join("controller.sock").display()),
+            format!("--node-id={NODE_ID}"),
+            format!("--state-dir={}", state.display()),
+            format!("--log-level={}", opts.log_level),
+        ];
+        c_args.extend(opts.controller_extra_args);
+        let mut n_args = vec![
+            format!("--endpoint=unix://{}", root.join("node.sock").display()),
+            format!("--node-id={NODE_ID}"),
+            format!("--state-dir={}", state.display()),
+            format!("--kubelet-dir={}", kubelet.display()),
+            format!("--log-level={}", opts.log_level),
+        ];
+        n_args.extend(opts.node_extra_args);
+        let controller = Plugin::spawn(bins.join("csi-controller"), root.join("controller.sock"), root.join("controller.log"), c_args, vec![])?;
+        let node = Plugin::spawn(bins.join("csi-node"), root.join("node.sock"), root.join("node.log"), n_args, vec![])?;
+        Ok(Harness { root, kubelet, state, controller, node })
+    }
+
+    pub async fn controller(&self) -> Result<ControllerClient<Channel>> {
+        Ok(ControllerClient::new(csi_identity::server::connect(&self.controller.socket.display().to_string()).await?))
+    }
+
+    pub async fn node(&self) -> Result<NodeClient<Channel>> {
+        Ok(NodeClient::new(csi_identity::server::connect(&self.node.socket.display().to_string()).await?))
+    }
+
+    pub async fn identity(&self, node: bool) -> Result<IdentityClient<Channel>> {
+        let sock = if node { &self.node.socket } else { &self.controller.socket };
+        Ok(IdentityClient::new(csi_identity::server::connect(&sock.display().to_string()).await?))
+    }
+
+    /// A staging path as kubelet would choose it (kubelet creates the directory).
+    pub fn staging_path(&self, volume: &str) -> PathBuf {
+        let p = self.kubelet.join("plugins/staging").join(volume);
+        std::fs::create_dir_all(&p).expect("create staging dir");
+        p
+    }
+
+    /// A publish target as kubelet would choose it (kubelet creates the parent only).
+    pub fn target_path(&self, pod: &str) -> PathBuf {
+        let parent = self.kubelet.join("pods").join(pod).join("volumes");
+        std::fs::create_dir_all(&parent).expect("create pod dir");
+        parent.join("vol")
+    }
+
+    /// Loop devices whose backing file lives under this harness's state directory.
+    pub fn loop_devices(&self) -> Vec<(String, String)> {
+        loop_devices_under(&self.root)
+    }
+
+    /// Mount points under this harness's directory.
+    pub fn mounts(&self) -> Vec<String> {
+        mounts_under(&self.root)
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.controller.kill();
+        self.node.kill();
+        for m in mounts_under(&self.root).into_iter().rev() {
+            let c = std::ffi::CString::new(m).expect("no NUL");
+            // SAFETY: umount2 with a NUL-terminated path; MNT_DETACH so a busy mount cannot block teardown.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        for (dev, _) in loop_devices_under(&self.root) {
+            let _ = Command::new("losetup").args(["-d", &dev]).status();
+        }
+        if std::env::var_os("FERROVOL_KEEP").is_none() {
+            let _ = std::fs::remove_dir_all(&self.root);
+        }
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `(device, backing file)` for every loop device backed by a file under `dir`.
+pub fn loop_devices_under(dir: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/sys/block") else { return out };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            let backing = backing.trim().trim_end_matches(" (deleted)").to_string();
+            if backing.starts_with(&*dir.to_string_lossy()) {
+                out.push((format!("/dev/{name}"), backing));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Mount points under `dir`, in mount order.
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    cloud_backend::sys::mountinfo::read()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|m| m.mount_point.starts_with(dir))
+        .map(|m| m.mount_point.display().to_string())
+        .collect()
+}
+
+pub fn mount_capability(fs_type: &str) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        access_type: Some(AccessType::Mount(MountVolume { fs_type: fs_type.into(), mount_flags: vec![], volume_mount_group: String::new() })),
+    }
+}
+
+pub fn block_capability() -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        access_type: Some(AccessType::Block(BlockVolume {})),
+    }
+}
+
+pub fn create_request(name: &str, bytes: i64, cap: VolumeCapability) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        volume_capabilities: vec![cap],
+        ..Default::default()
+    }
+}
+
+pub fn stage_request(volume_id: &str, staging: &Path, cap: VolumeCapability) -> NodeStageVolumeRequest {
+    NodeStageVolumeRequest {
+        volume_id: volume_id.into(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap),
+        ..Default::default()
+    }
+}
+
+pub fn publish_request(volume_id: &str, staging: &Path, target: &Path, cap: VolumeCapability, readonly: bool) -> NodePublishVolumeRequest {
+    NodePublishVolumeRequest {
+        volume_id: volume_id.into(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap),
+        readonly,
+        ..Default::default()
+    }
+}
+
+/// `df`'s view of a mounted filesystem's size in bytes, from the real `df` program.
+pub fn df_size(path: &Path) -> u64 {
+    let out = Command::new("df").args(["--output=size", "-B1"]).arg(path).output().expect("df");
+    String::from_utf8_lossy(&out.stdout).lines().nth(1).and_then(|l| l.trim().parse().ok()).expect("df output")
+}
+
+/// The filesystem type blkid sees on a device or image, if any.
+pub fn blkid_type(dev: &Path) -> Option<String> {
+    let out = Command::new("blkid").args(["-p", "-s", "TYPE", "-o", "value"]).arg(dev).output().ok()?;
+    let t = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (!t.is_empty()).then_some(t)
+}
+
+/// Whether this process may use CAP_SYS_RESOURCE, which the kernel demands for online ext4
+/// resize. Some sandboxes (this project's CI VMs among them) drop it even for root.
+pub fn has_cap_sys_resource() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:").map(|v| u64::from_str_radix(v.trim(), 16).ok())).flatten())
+        .is_some_and(|caps| caps >> CAP_SYS_RESOURCE & 1 == 1)
+}
+
+pub fn secrets(value: &str) -> HashMap<String, String> {
+    HashMap::from([("password".to_string(), value.to_string())])
+}

@@ -306,6 +306,9 @@ impl LocalBackend {
             return Ok(());
         }
         let dir = self.volume_dir(id);
+        if !dir.exists() {
+            return Ok(());
+        }
         let image = self.image(id);
         if let Ok(backing) = loopdev::BackingId::of(&image) {
             if let Some(dev) = loopdev::find(backing)?.first() {

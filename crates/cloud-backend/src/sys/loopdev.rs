@@ -180,6 +180,10 @@ pub fn attach(file: &Path, read_only: bool) -> Result<LoopDevice> {
         // SAFETY: LOOP_CONFIGURE reads a loop_config we own for the duration of the call.
         let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE, &config as *const LoopConfig) };
         if rc == 0 {
+            // The block layer's read-only flag (BLKROSET) outlives a detach: a device number
+            // reused from a read-only raw publish would refuse every write. Reset it.
+            super::ioctl::set_block_device_read_only(&path, read_only)
+                .context(|| format!("resetting the read-only flag of {}", path.display()))?;
             let (major, minor) = dev_numbers(&path)?;
             return Ok(LoopDevice {
                 number: number as u32,

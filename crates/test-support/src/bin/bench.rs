@@ -1,0 +1,127 @@
+//! `cargo xtask bench`: latency of each RPC over many full volume lifecycles on the local
+//! backend (real loop devices, real mkfs, real mounts), whole-lifecycle time, and the idle and
+//! peak resident memory of both plugin binaries.
+//!
+//! Usage: ferrovol-bench [--lifecycles N] [--size-mib M] [--fs ext4|xfs]
+
+use anyhow::{Context, Result, bail};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use test_support::v1::*;
+use test_support::*;
+
+struct Samples(BTreeMap<&'static str, Vec<Duration>>);
+
+impl Samples {
+    fn add(&mut self, name: &'static str, d: Duration) {
+        self.0.entry(name).or_default().push(d);
+    }
+}
+
+fn pct(v: &mut [Duration], p: f64) -> f64 {
+    v.sort();
+    let idx = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[idx].as_secs_f64() * 1e3
+}
+
+fn rss_kib(pid: u32, field: &str) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field).map(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>()))
+        .context("no such field")?
+        .context("parse")
+}
+
+macro_rules! timed {
+    ($s:expr, $name:expr, $e:expr) => {{
+        let t = Instant::now();
+        let r = $e;
+        $s.add($name, t.elapsed());
+        r
+    }};
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<()> {
+    require_private_mount_namespace();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let get = |flag: &str, default: &str| -> String {
+        args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.to_string())
+    };
+    let n: usize = get("--lifecycles", "50").parse()?;
+    let size: i64 = get("--size-mib", "1024").parse::<i64>()? * MIB;
+    let fs = get("--fs", "ext4");
+    if n == 0 {
+        bail!("--lifecycles must be at least 1");
+    }
+
+    let h = Harness::start_with("bench", Options { log_level: "warn".into(), ..Default::default() })?;
+    let (cpid, npid) = (h.controller.pid().unwrap(), h.node.pid().unwrap());
+    let mut ctrl = h.controller().await?;
+    let mut node = h.node().await?;
+    let mut ident = h.identity(true).await?;
+    // Idle: after start-up and one trivial call on each, before any volume work.
+    ident.probe(ProbeRequest {}).await?;
+    ctrl.controller_get_capabilities(ControllerGetCapabilitiesRequest {}).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let idle = (rss_kib(cpid, "VmRSS:")?, rss_kib(npid, "VmRSS:")?);
+
+    let cap = mount_capability(&fs);
+    let mut s = Samples(BTreeMap::new());
+    let total = Instant::now();
+    for i in 0..n {
+        let t0 = Instant::now();
+        let name = format!("bench-{i}");
+        let id = timed!(s, "CreateVolume", ctrl.create_volume(create_request(&name, size, cap.clone())).await?)
+            .into_inner()
+            .volume
+            .unwrap()
+            .volume_id;
+        let staging = h.staging_path(&name);
+        let target = h.target_path(&name);
+        timed!(s, "NodeStageVolume (blank, mkfs)", node.node_stage_volume(stage_request(&id, &staging, cap.clone())).await?);
+        timed!(s, "NodePublishVolume", node.node_publish_volume(publish_request(&id, &staging, &target, cap.clone(), false)).await?);
+        timed!(
+            s,
+            "NodeGetVolumeStats",
+            node.node_get_volume_stats(NodeGetVolumeStatsRequest { volume_id: id.clone(), volume_path: target.display().to_string(), ..Default::default() }).await?
+        );
+        timed!(
+            s,
+            "CreateSnapshot (published)",
+            ctrl.create_snapshot(CreateSnapshotRequest { source_volume_id: id.clone(), name: format!("snap-{name}"), ..Default::default() }).await?
+        );
+        let snap_id = ctrl.list_snapshots(ListSnapshotsRequest { source_volume_id: id.clone(), ..Default::default() }).await?.into_inner().entries[0]
+            .snapshot
+            .clone()
+            .unwrap()
+            .snapshot_id;
+        timed!(s, "DeleteSnapshot", ctrl.delete_snapshot(DeleteSnapshotRequest { snapshot_id: snap_id, ..Default::default() }).await?);
+        timed!(s, "NodeUnpublishVolume", node.node_unpublish_volume(NodeUnpublishVolumeRequest { volume_id: id.clone(), target_path: target.display().to_string() }).await?);
+        timed!(
+            s,
+            "NodeUnstageVolume",
+            node.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: id.clone(), staging_target_path: staging.display().to_string() }).await?
+        );
+        timed!(s, "DeleteVolume", ctrl.delete_volume(DeleteVolumeRequest { volume_id: id, ..Default::default() }).await?);
+        s.add("whole lifecycle", t0.elapsed());
+    }
+    let wall = total.elapsed();
+    let peak = (rss_kib(cpid, "VmHWM:")?, rss_kib(npid, "VmHWM:")?);
+    if !h.loop_devices().is_empty() || !h.mounts().is_empty() {
+        bail!("the benchmark left loop devices or mounts behind");
+    }
+
+    println!("ferrovol bench — local backend, {n} lifecycles of a {} MiB {fs} volume ({:.1} s)\n", size / MIB, wall.as_secs_f64());
+    println!("{:<32} {:>10} {:>10} {:>8}", "RPC", "p50 ms", "p99 ms", "n");
+    for (name, v) in s.0.iter_mut() {
+        let len = v.len();
+        println!("{:<32} {:>10.2} {:>10.2} {:>8}", name, pct(v, 0.5), pct(v, 0.99), len);
+    }
+    println!();
+    println!("{:<32} {:>10} {:>10}", "memory", "idle MiB", "peak MiB");
+    println!("{:<32} {:>10.1} {:>10.1}", "csi-controller", idle.0 as f64 / 1024.0, peak.0 as f64 / 1024.0);
+    println!("{:<32} {:>10.1} {:>10.1}", "csi-node", idle.1 as f64 / 1024.0, peak.1 as f64 / 1024.0);
+    Ok(())
+}
