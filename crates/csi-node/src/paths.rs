@@ -136,9 +136,10 @@ impl Confined {
     }
 
     /// Opens the final component itself (refusing a symlink) as an O_PATH descriptor whose
-    /// `/proc/self/fd/N` name is a safe mount target.
+    /// `/proc/self/fd/N` name is a safe mount target. (No O_NOFOLLOW: with O_PATH it would open
+    /// the link itself; RESOLVE_NO_SYMLINKS makes a final link fail with ELOOP instead.)
     pub fn open_target(&self) -> Result<OwnedFd> {
-        openat2(&self.parent, Path::new(&self.name), libc::O_PATH | libc::O_CLOEXEC | libc::O_NOFOLLOW).map_err(|e| match e.raw_os_error() {
+        openat2(&self.parent, Path::new(&self.name), libc::O_PATH | libc::O_CLOEXEC).map_err(|e| match e.raw_os_error() {
             Some(libc::ELOOP) => Error::InvalidArgument(format!("{} is a symbolic link", self.path.display())),
             Some(libc::ENOENT) => Error::NotFound(format!("{} does not exist", self.path.display())),
             _ => Error::io(format!("opening {}", self.path.display()), e),

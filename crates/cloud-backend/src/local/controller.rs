@@ -66,6 +66,16 @@ impl LocalBackend {
             )));
         }
         ensure_dir(&dir)?;
+        // Any failure from here on removes what this call created: a refused create leaves no
+        // trace (a crash instead leaves an uncommitted directory, which the next call redoes).
+        let result = self.populate_volume(&id, &dir, size, &req);
+        if result.is_err() {
+            let _ = atomic::remove_dir_all(&dir);
+        }
+        result
+    }
+
+    fn populate_volume(&self, id: &str, dir: &Path, size: u64, req: &CreateVolume) -> Result<Volume> {
         let tmp = dir.join("disk.img.tmp");
         match &req.content_source {
             None => {
@@ -104,9 +114,9 @@ impl LocalBackend {
             file.set_len(size).context(|| format!("growing {}", tmp.display()))?;
         }
         file.sync_all().context(|| format!("syncing {}", tmp.display()))?;
-        std::fs::rename(&tmp, self.image(&id)).context(|| format!("renaming {}", tmp.display()))?;
+        std::fs::rename(&tmp, self.image(id)).context(|| format!("renaming {}", tmp.display()))?;
         let meta = VolumeMeta {
-            id: id.clone(),
+            id: id.to_string(),
             name: req.name.clone(),
             uid: random_uid(),
             capacity_bytes: size,
