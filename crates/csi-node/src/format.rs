@@ -49,11 +49,29 @@ impl Intents {
     }
 }
 
+/// A helper program that dies with the plugin. Without this, a plugin killed in the middle of
+/// mkfs would leave mkfs running, and the retry would race it on the same device.
+pub fn command(program: &str) -> Command {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(program);
+    cmd.stdin(Stdio::null());
+    // SAFETY: the closure runs in the child between fork and exec and calls only prctl, which
+    // is async-signal-safe. The parent thread waits for the child, so it outlives it.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
 fn run(program: &str, args: &[&str], target: &Path) -> Result<()> {
-    let out = Command::new(program)
+    let out = command(program)
         .args(args)
         .arg(target)
-        .stdin(Stdio::null())
         .output()
         .context(|| format!("running {program}"))?;
     if !out.status.success() {
@@ -121,7 +139,7 @@ pub fn grow_offline(fs_type: &str, device: &Path) -> Result<()> {
     if !matches!(fs_type, "ext4" | "ext3" | "ext2") {
         return Ok(());
     }
-    let out = Command::new("e2fsck").args(["-f", "-p"]).arg(device).stdin(Stdio::null()).output().context(|| "running e2fsck".to_string())?;
+    let out = command("e2fsck").args(["-f", "-p"]).arg(device).output().context(|| "running e2fsck".to_string())?;
     // 0: clean, 1: errors corrected. Anything else leaves the filesystem alone.
     if !matches!(out.status.code(), Some(0) | Some(1)) {
         return Err(Error::Command {

@@ -13,7 +13,6 @@
 use cloud_backend::{Error, IoContext, Result};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
-use std::process::{Command, Stdio};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Content {
@@ -26,10 +25,9 @@ pub enum Content {
 }
 
 pub fn probe(device: &Path) -> Result<Content> {
-    let out = Command::new("blkid")
+    let out = crate::format::command("blkid")
         .args(["-p", "-o", "export"])
         .arg(device)
-        .stdin(Stdio::null())
         .output()
         .context(|| "running blkid (util-linux) to probe the device".to_string())?;
     match out.status.code() {
@@ -88,6 +86,7 @@ fn edges_are_zero(device: &Path) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::process::Command;
 
     #[test]
     fn export_output_is_classified() {

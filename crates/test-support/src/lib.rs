@@ -353,6 +353,83 @@ pub fn has_cap_sys_resource() -> bool {
         .is_some_and(|caps| caps >> CAP_SYS_RESOURCE & 1 == 1)
 }
 
+/// A small deterministic generator (xorshift64*), so a failing random schedule can be replayed
+/// from its printed seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.max(1))
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Major and minor number of the device mounted at `path`, from mountinfo.
+pub fn mount_device(path: &Path) -> Option<(u32, u32)> {
+    cloud_backend::sys::mountinfo::read().ok()?.iter().rev().find(|m| m.mount_point == path).map(|m| (m.major, m.minor))
+}
+
+/// How many mounts sit exactly at `path`.
+pub fn mount_count(path: &Path) -> usize {
+    cloud_backend::sys::mountinfo::read().map(|v| v.iter().filter(|m| m.mount_point == path).count()).unwrap_or(0)
+}
+
+/// Major and minor number of a device node.
+pub fn dev_numbers(path: &Path) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let rdev = std::fs::metadata(path).expect("stat device").rdev();
+    (libc::major(rdev), libc::minor(rdev))
+}
+
+/// The filesystem UUID blkid reads from a device or image.
+pub fn blkid_uuid(dev: &Path) -> Option<String> {
+    let out = Command::new("blkid").args(["-p", "-s", "UUID", "-o", "value"]).arg(dev).output().ok()?;
+    let t = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (!t.is_empty()).then_some(t)
+}
+
+/// Retries `call` while it answers ABORTED (another operation on the volume still running)
+/// or UNAVAILABLE (plugin restarting), as kubelet and the sidecars do.
+pub async fn retry<T, F, Fut>(what: &str, mut call: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match call().await {
+            Ok(r) => return Ok(r.into_inner()),
+            Err(s) if matches!(s.code(), tonic::Code::Aborted | tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(s) => bail!("{what}: {s:?}"),
+        }
+    }
+}
+
+impl Harness {
+    /// The volume's image file (local backend layout).
+    pub fn image(&self, volume_id: &str) -> PathBuf {
+        self.state.join("volumes").join(volume_id).join("disk.img")
+    }
+
+    /// The loop device backed by this volume's image, if exactly one; panics on more.
+    pub fn loop_of(&self, volume_id: &str) -> Option<String> {
+        let image = self.image(volume_id).display().to_string();
+        let devs: Vec<String> = self.loop_devices().into_iter().filter(|(_, b)| *b == image).map(|(d, _)| d).collect();
+        assert!(devs.len() <= 1, "volume {volume_id} is attached to several loop devices: {devs:?}");
+        devs.into_iter().next()
+    }
+}
+
 pub fn secrets(value: &str) -> HashMap<String, String> {
     HashMap::from([("password".to_string(), value.to_string())])
 }

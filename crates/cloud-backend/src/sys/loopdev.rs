@@ -252,7 +252,23 @@ pub fn detach(device: &Path, expected: BackingId) -> Result<()> {
             return Err(Error::io(format!("detaching {}", device.display()), err));
         }
     }
-    Ok(())
+    drop(dev);
+    // While anybody else holds the device open, the kernel only marks it for auto-clear and
+    // answers success. Report "detached" only once it really is, so nothing leaks silently.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    loop {
+        match File::open(device).and_then(|d| status(&d)) {
+            Ok(info) if (BackingId { dev: info.lo_device, ino: info.lo_inode }) == expected => {}
+            _ => return Ok(()),
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(Error::Busy(format!(
+                "{} is still held open by another process; it is marked to detach on last close. Retry once it is released",
+                device.display()
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// Tells the loop driver that the backing file changed size, and returns the new device size.
