@@ -36,7 +36,8 @@ pub fn run(check: bool) -> Result<()> {
 }
 
 fn generate(out: &Path) -> Result<()> {
-    let fds = protox::compile([PROTO], ["proto"]).context("compiling proto/csi.proto with protox")?;
+    let fds =
+        protox::compile([PROTO], ["proto"]).context("compiling proto/csi.proto with protox")?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

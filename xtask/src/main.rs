@@ -2,7 +2,12 @@
 //! lives in a module of its own, and every task runs from the repository root whatever the
 //! caller's working directory.
 
+mod bench;
 mod codegen;
+mod demo;
+mod sanity;
+mod test;
+mod tools;
 mod util;
 
 use anyhow::{Result, bail};
@@ -12,6 +17,14 @@ cargo xtask <task> [options]
 
 tasks:
   codegen [--check]   regenerate crates/csi-proto from proto/csi.proto (--check: fail if stale)
+  test                everything CI checks: tools, codegen --check, fmt, clippy, cargo test, sanity
+  sanity [--keep]     run csi-sanity against the local backend, for mount and block volumes
+                      (--keep: keep the logs and reports in target/sanity/<pid>/ after a success)
+  demo                run test-support's ferrovol-demo against the driver binaries
+  bench [-- args]     run test-support's ferrovol-bench against release builds of the driver
+
+Tasks that run the driver do so in a private mount namespace (unshare), which needs root.
+Pinned tools such as csi-sanity are cached in $FERROVOL_CACHE (default ~/.cache/ferrovol).
 ";
 
 fn main() -> Result<()> {
@@ -21,6 +34,12 @@ fn main() -> Result<()> {
     let rest: Vec<String> = args.collect();
     match task.as_str() {
         "codegen" => codegen::run(util::flag(&rest, "--check")),
+        "test" => test::run(),
+        "sanity" => sanity::run(util::flag(&rest, "--keep")),
+        // Hidden: `sanity` re-executes itself as this inside a private mount namespace.
+        "sanity-inner" => sanity::run_inner(&rest),
+        "demo" => demo::run(),
+        "bench" => bench::run(&rest),
         "" | "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

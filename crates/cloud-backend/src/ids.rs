@@ -16,7 +16,9 @@ pub fn derive(prefix: &str, name: &str) -> String {
 
 pub fn is_valid(prefix: &str, id: &str) -> bool {
     id.strip_prefix(prefix).is_some_and(|h| {
-        h.len() == HASH_HEX_LEN && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        h.len() == HASH_HEX_LEN
+            && h.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     })
 }
 
@@ -36,9 +38,15 @@ mod tests {
     #[test]
     fn hostile_ids_are_refused() {
         for bad in [
-            "", "vol-", "../../etc/passwd", "vol-../../x", "fake-vol-id",
-            "vol-0123456789abcdef0123456789abcdeg", "vol-0123456789ABCDEF0123456789ABCDEF",
-            "vol-0123456789abcdef0123456789abcdef/", "vol-0123456789abcdef0123456789abcde",
+            "",
+            "vol-",
+            "../../etc/passwd",
+            "vol-../../x",
+            "fake-vol-id",
+            "vol-0123456789abcdef0123456789abcdeg",
+            "vol-0123456789ABCDEF0123456789ABCDEF",
+            "vol-0123456789abcdef0123456789abcdef/",
+            "vol-0123456789abcdef0123456789abcde",
         ] {
             assert!(!is_valid(VOLUME_PREFIX, bad), "{bad:?} accepted");
         }

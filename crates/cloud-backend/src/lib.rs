@@ -49,7 +49,10 @@ pub trait ControllerBackend: Send + Sync + 'static {
         max_entries: usize,
     ) -> impl Future<Output = Result<Page<Volume>>> + Send;
     fn expand_volume(&self, id: &str, new_size: u64) -> impl Future<Output = Result<u64>> + Send;
-    fn capacity(&self, topology: Option<&Topology>) -> impl Future<Output = Result<Capacity>> + Send;
+    fn capacity(
+        &self,
+        topology: Option<&Topology>,
+    ) -> impl Future<Output = Result<Capacity>> + Send;
 
     fn create_snapshot(
         &self,
@@ -73,7 +76,11 @@ pub trait ControllerBackend: Send + Sync + 'static {
         read_only: bool,
     ) -> impl Future<Output = Result<BTreeMap<String, String>>> + Send;
     /// Detaches the volume from `node_id`, or from every node when it is `None`.
-    fn unpublish(&self, volume_id: &str, node_id: Option<&str>) -> impl Future<Output = Result<()>> + Send;
+    fn unpublish(
+        &self,
+        volume_id: &str,
+        node_id: Option<&str>,
+    ) -> impl Future<Output = Result<()>> + Send;
 }
 
 /// What the Node service asks of a storage backend: block devices on this node, tied to

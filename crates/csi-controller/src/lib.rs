@@ -43,15 +43,21 @@ fn from_map(m: &HashMap<String, String>) -> BTreeMap<String, String> {
 }
 
 fn topology(t: &Topology) -> csi_proto::v1::Topology {
-    csi_proto::v1::Topology { segments: to_map(t) }
+    csi_proto::v1::Topology {
+        segments: to_map(t),
+    }
 }
 
 fn content_source(c: &ContentSource) -> VolumeContentSource {
     use volume_content_source::{SnapshotSource, Type, VolumeSource};
     VolumeContentSource {
         r#type: Some(match c {
-            ContentSource::Snapshot(id) => Type::Snapshot(SnapshotSource { snapshot_id: id.clone() }),
-            ContentSource::Volume(id) => Type::Volume(VolumeSource { volume_id: id.clone() }),
+            ContentSource::Snapshot(id) => Type::Snapshot(SnapshotSource {
+                snapshot_id: id.clone(),
+            }),
+            ContentSource::Volume(id) => Type::Volume(VolumeSource {
+                volume_id: id.clone(),
+            }),
         }),
     }
 }
@@ -71,7 +77,10 @@ fn snapshot(s: &cloud_backend::Snapshot) -> Snapshot {
         size_bytes: s.size_bytes as i64,
         snapshot_id: s.id.clone(),
         source_volume_id: s.source_volume_id.clone(),
-        creation_time: Some(prost_types::Timestamp { seconds: s.created_at.0, nanos: s.created_at.1 }),
+        creation_time: Some(prost_types::Timestamp {
+            seconds: s.created_at.0,
+            nanos: s.created_at.1,
+        }),
         ready_to_use: s.ready,
         group_snapshot_id: String::new(),
     }
@@ -80,14 +89,18 @@ fn snapshot(s: &cloud_backend::Snapshot) -> Snapshot {
 fn condition(abnormal: &Option<String>) -> VolumeCondition {
     VolumeCondition {
         abnormal: abnormal.is_some(),
-        message: abnormal.clone().unwrap_or_else(|| "volume is healthy".into()),
+        message: abnormal
+            .clone()
+            .unwrap_or_else(|| "volume is healthy".into()),
     }
 }
 
 fn capacity_range(range: &Option<CapacityRange>) -> Result<(u64, u64), Status> {
     let Some(r) = range else { return Ok((0, 0)) };
     if r.required_bytes < 0 || r.limit_bytes < 0 {
-        return Err(invalid("capacity_range: required_bytes and limit_bytes must not be negative"));
+        return Err(invalid(
+            "capacity_range: required_bytes and limit_bytes must not be negative",
+        ));
     }
     if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes {
         return Err(invalid(format!(
@@ -104,7 +117,9 @@ fn starting_token(token: &str, valid: impl Fn(&str) -> bool) -> Result<Option<St
         return Ok(None);
     }
     if !valid(token) {
-        return Err(Status::aborted(format!("starting_token {token:?} was not returned by a previous list call")));
+        return Err(Status::aborted(format!(
+            "starting_token {token:?} was not returned by a previous list call"
+        )));
     }
     Ok(Some(token.to_string()))
 }
@@ -120,15 +135,22 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     /// incompatible ones ALREADY_EXISTS. An unsatisfiable capacity is OUT_OF_RANGE, a missing
     /// source NOT_FOUND, no room in the requested topology RESOURCE_EXHAUSTED.
     #[tracing::instrument(skip_all, fields(name = %request.get_ref().name))]
-    async fn create_volume(&self, request: Request<CreateVolumeRequest>) -> Result<Response<CreateVolumeResponse>, Status> {
+    async fn create_volume(
+        &self,
+        request: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
         let req = request.into_inner();
         validate::name(&req.name)?;
         let caps = validate::capabilities(&req.volume_capabilities, self.multi_node())?;
         let (required_bytes, limit_bytes) = capacity_range(&req.capacity_range)?;
         let parameters = from_map(&req.parameters);
-        self.backend.validate_parameters(&parameters).map_err(to_status)?;
+        self.backend
+            .validate_parameters(&parameters)
+            .map_err(to_status)?;
         if !req.mutable_parameters.is_empty() {
-            return Err(invalid("mutable_parameters are not supported: this driver does not implement ControllerModifyVolume"));
+            return Err(invalid(
+                "mutable_parameters are not supported: this driver does not implement ControllerModifyVolume",
+            ));
         }
         let fs_types: Vec<&str> = caps
             .iter()
@@ -137,7 +159,11 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
                 validate::Access::Block => None,
             })
             .collect();
-        let fs_type = fs_types.iter().any(|f| *f == "xfs").then(|| "xfs".to_string()).or_else(|| fs_types.first().map(|f| f.to_string()));
+        // The size floor follows the most demanding filesystem the volume may carry.
+        let fs_type = fs_types
+            .contains(&"xfs")
+            .then(|| "xfs".to_string())
+            .or_else(|| fs_types.first().map(|f| f.to_string()));
         let source = match req.volume_content_source.and_then(|s| s.r#type) {
             None => None,
             Some(volume_content_source::Type::Snapshot(s)) => {
@@ -169,13 +195,18 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
             backend.create_volume(spec).await.map_err(to_status)
         })
         .await?;
-        Ok(Response::new(CreateVolumeResponse { volume: Some(volume(&vol)) }))
+        Ok(Response::new(CreateVolumeResponse {
+            volume: Some(volume(&vol)),
+        }))
     }
 
     /// MUST delete the volume; a volume that does not exist is success (idempotence). A volume
     /// still in use is FAILED_PRECONDITION.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id))]
-    async fn delete_volume(&self, request: Request<DeleteVolumeRequest>) -> Result<Response<DeleteVolumeResponse>, Status> {
+    async fn delete_volume(
+        &self,
+        request: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
         let req = request.into_inner();
         validate::require("volume_id", &req.volume_id)?;
         if !self.backend.is_volume_id(&req.volume_id) {
@@ -184,7 +215,10 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         let mut guard = self.lock(&req.volume_id)?;
         let backend = self.backend.clone();
         run_to_completion(async move {
-            backend.delete_volume(&req.volume_id).await.map_err(to_status)?;
+            backend
+                .delete_volume(&req.volume_id)
+                .await
+                .map_err(to_status)?;
             guard.remove_on_release();
             Ok(())
         })
@@ -194,36 +228,57 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
 
     /// MUST make the volume available on the node and return what the node needs to find it.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, node_id = %request.get_ref().node_id))]
-    async fn controller_publish_volume(&self, request: Request<ControllerPublishVolumeRequest>) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+    async fn controller_publish_volume(
+        &self,
+        request: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
         let req = request.into_inner();
         validate::require("volume_id", &req.volume_id)?;
         validate::require("node_id", &req.node_id)?;
-        let cap = req.volume_capability.as_ref().ok_or_else(|| invalid("volume_capability is required"))?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| invalid("volume_capability is required"))?;
         validate::capability(cap, self.multi_node())?;
         if !self.backend.capabilities().attach {
-            return Err(Status::unimplemented("this backend has no attach step (PUBLISH_UNPUBLISH_VOLUME is not advertised)"));
+            return Err(Status::unimplemented(
+                "this backend has no attach step (PUBLISH_UNPUBLISH_VOLUME is not advertised)",
+            ));
         }
         if !self.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
         let guard = self.lock(&req.volume_id)?;
         let backend = self.backend.clone();
         let ctx = run_to_completion(async move {
             let _guard = guard;
-            backend.publish(&req.volume_id, &req.node_id, req.readonly).await.map_err(to_status)
+            backend
+                .publish(&req.volume_id, &req.node_id, req.readonly)
+                .await
+                .map_err(to_status)
         })
         .await?;
-        Ok(Response::new(ControllerPublishVolumeResponse { publish_context: to_map(&ctx) }))
+        Ok(Response::new(ControllerPublishVolumeResponse {
+            publish_context: to_map(&ctx),
+        }))
     }
 
     /// MUST detach the volume from the node (every node when node_id is empty); a volume
     /// already detached or gone is success.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, node_id = %request.get_ref().node_id))]
-    async fn controller_unpublish_volume(&self, request: Request<ControllerUnpublishVolumeRequest>) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+    async fn controller_unpublish_volume(
+        &self,
+        request: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
         let req = request.into_inner();
         validate::require("volume_id", &req.volume_id)?;
         if !self.backend.capabilities().attach {
-            return Err(Status::unimplemented("this backend has no attach step (PUBLISH_UNPUBLISH_VOLUME is not advertised)"));
+            return Err(Status::unimplemented(
+                "this backend has no attach step (PUBLISH_UNPUBLISH_VOLUME is not advertised)",
+            ));
         }
         if !self.backend.is_volume_id(&req.volume_id) {
             return Ok(Response::new(ControllerUnpublishVolumeResponse {}));
@@ -233,7 +288,10 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         run_to_completion(async move {
             let _guard = guard;
             let node = (!req.node_id.is_empty()).then_some(req.node_id.as_str());
-            backend.unpublish(&req.volume_id, node).await.map_err(to_status)
+            backend
+                .unpublish(&req.volume_id, node)
+                .await
+                .map_err(to_status)
         })
         .await?;
         Ok(Response::new(ControllerUnpublishVolumeResponse {}))
@@ -242,22 +300,35 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     /// MUST say whether the volume supports every listed capability (and the given context and
     /// parameters); an unknown volume is NOT_FOUND.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id))]
-    async fn validate_volume_capabilities(&self, request: Request<ValidateVolumeCapabilitiesRequest>) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
         let req = request.into_inner();
         validate::require("volume_id", &req.volume_id)?;
         if req.volume_capabilities.is_empty() {
             return Err(invalid("volume_capabilities is required"));
         }
         if !self.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
-        let vol = self.backend.get_volume(&req.volume_id).await.map_err(to_status)?;
+        let vol = self
+            .backend
+            .get_volume(&req.volume_id)
+            .await
+            .map_err(to_status)?;
         let unsupported = req
             .volume_capabilities
             .iter()
             .find_map(|c| validate::capability(c, self.multi_node()).err());
         if let Some(err) = unsupported {
-            return Ok(Response::new(ValidateVolumeCapabilitiesResponse { confirmed: None, message: err.message().to_string() }));
+            return Ok(Response::new(ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message: err.message().to_string(),
+            }));
         }
         if !req.parameters.is_empty() && from_map(&req.parameters) != vol.parameters {
             return Ok(Response::new(ValidateVolumeCapabilitiesResponse {
@@ -278,11 +349,18 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
 
     /// MUST list volumes in a stable order; a token not produced by us is ABORTED.
     #[tracing::instrument(skip_all)]
-    async fn list_volumes(&self, request: Request<ListVolumesRequest>) -> Result<Response<ListVolumesResponse>, Status> {
+    async fn list_volumes(
+        &self,
+        request: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
         let req = request.into_inner();
         let max = max_entries(req.max_entries)?;
         let start = starting_token(&req.starting_token, |t| self.backend.is_volume_id(t))?;
-        let page = self.backend.list_volumes(start.as_deref(), max).await.map_err(to_status)?;
+        let page = self
+            .backend
+            .list_volumes(start.as_deref(), max)
+            .await
+            .map_err(to_status)?;
         let attach = self.backend.capabilities().attach;
         Ok(Response::new(ListVolumesResponse {
             entries: page
@@ -291,7 +369,11 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
                 .map(|v| list_volumes_response::Entry {
                     volume: Some(volume(v)),
                     status: Some(list_volumes_response::VolumeStatus {
-                        published_node_ids: if attach { v.published_nodes.clone() } else { Vec::new() },
+                        published_node_ids: if attach {
+                            v.published_nodes.clone()
+                        } else {
+                            Vec::new()
+                        },
                         volume_condition: Some(condition(&v.abnormal)),
                     }),
                 })
@@ -303,14 +385,23 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     /// MUST report the capacity available for new volumes with the given capabilities,
     /// parameters and topology.
     #[tracing::instrument(skip_all)]
-    async fn get_capacity(&self, request: Request<GetCapacityRequest>) -> Result<Response<GetCapacityResponse>, Status> {
+    async fn get_capacity(
+        &self,
+        request: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
         let req = request.into_inner();
         for cap in &req.volume_capabilities {
             validate::capability(cap, self.multi_node())?;
         }
-        self.backend.validate_parameters(&from_map(&req.parameters)).map_err(to_status)?;
+        self.backend
+            .validate_parameters(&from_map(&req.parameters))
+            .map_err(to_status)?;
         let topo = req.accessible_topology.map(|t| from_map(&t.segments));
-        let cap = self.backend.capacity(topo.as_ref()).await.map_err(to_status)?;
+        let cap = self
+            .backend
+            .capacity(topo.as_ref())
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(GetCapacityResponse {
             available_capacity: cap.available_bytes as i64,
             maximum_volume_size: Some(cap.maximum_volume_bytes as i64),
@@ -319,10 +410,18 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     }
 
     #[tracing::instrument(skip_all)]
-    async fn controller_get_capabilities(&self, _request: Request<ControllerGetCapabilitiesRequest>) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+    async fn controller_get_capabilities(
+        &self,
+        _request: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
         use controller_service_capability::rpc::Type;
         let c = self.backend.capabilities();
-        let mut types = vec![Type::CreateDeleteVolume, Type::GetVolume, Type::VolumeCondition, Type::SingleNodeMultiWriter];
+        let mut types = vec![
+            Type::CreateDeleteVolume,
+            Type::GetVolume,
+            Type::VolumeCondition,
+            Type::SingleNodeMultiWriter,
+        ];
         if c.snapshots {
             types.extend([Type::CreateDeleteSnapshot, Type::ListSnapshots]);
         }
@@ -339,13 +438,19 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
             types.push(Type::GetCapacity);
         }
         if c.attach {
-            types.extend([Type::PublishUnpublishVolume, Type::PublishReadonly, Type::ListVolumesPublishedNodes]);
+            types.extend([
+                Type::PublishUnpublishVolume,
+                Type::PublishReadonly,
+                Type::ListVolumesPublishedNodes,
+            ]);
         }
         Ok(Response::new(ControllerGetCapabilitiesResponse {
             capabilities: types
                 .into_iter()
                 .map(|t| ControllerServiceCapability {
-                    r#type: Some(controller_service_capability::Type::Rpc(controller_service_capability::Rpc { r#type: t as i32 })),
+                    r#type: Some(controller_service_capability::Type::Rpc(
+                        controller_service_capability::Rpc { r#type: t as i32 },
+                    )),
                 })
                 .collect(),
         }))
@@ -354,27 +459,40 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     /// MUST snapshot the source volume under the given name; the same name with another source
     /// is ALREADY_EXISTS. The copy is consistent: see the backend.
     #[tracing::instrument(skip_all, fields(name = %request.get_ref().name, volume_id = %request.get_ref().source_volume_id))]
-    async fn create_snapshot(&self, request: Request<CreateSnapshotRequest>) -> Result<Response<CreateSnapshotResponse>, Status> {
+    async fn create_snapshot(
+        &self,
+        request: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
         let req = request.into_inner();
         validate::name(&req.name)?;
         validate::require("source_volume_id", &req.source_volume_id)?;
         let parameters = from_map(&req.parameters);
         if !self.backend.capabilities().snapshots {
-            return Err(Status::unimplemented("this backend does not support snapshots"));
+            return Err(Status::unimplemented(
+                "this backend does not support snapshots",
+            ));
         }
         let guard = self.lock(&self.backend.snapshot_lock_key(&req.name))?;
         let backend = self.backend.clone();
         let snap = run_to_completion(async move {
             let _guard = guard;
-            backend.create_snapshot(&req.name, &req.source_volume_id, &parameters).await.map_err(to_status)
+            backend
+                .create_snapshot(&req.name, &req.source_volume_id, &parameters)
+                .await
+                .map_err(to_status)
         })
         .await?;
-        Ok(Response::new(CreateSnapshotResponse { snapshot: Some(snapshot(&snap)) }))
+        Ok(Response::new(CreateSnapshotResponse {
+            snapshot: Some(snapshot(&snap)),
+        }))
     }
 
     /// MUST delete the snapshot; one that does not exist is success.
     #[tracing::instrument(skip_all, fields(snapshot_id = %request.get_ref().snapshot_id))]
-    async fn delete_snapshot(&self, request: Request<DeleteSnapshotRequest>) -> Result<Response<DeleteSnapshotResponse>, Status> {
+    async fn delete_snapshot(
+        &self,
+        request: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
         let req = request.into_inner();
         validate::require("snapshot_id", &req.snapshot_id)?;
         if !self.backend.is_snapshot_id(&req.snapshot_id) {
@@ -383,7 +501,10 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         let mut guard = self.lock(&req.snapshot_id)?;
         let backend = self.backend.clone();
         run_to_completion(async move {
-            backend.delete_snapshot(&req.snapshot_id).await.map_err(to_status)?;
+            backend
+                .delete_snapshot(&req.snapshot_id)
+                .await
+                .map_err(to_status)?;
             guard.remove_on_release();
             Ok(())
         })
@@ -394,7 +515,10 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     /// MUST list snapshots, filtered by id or source volume (no match is an empty list, not an
     /// error), paginated like ListVolumes.
     #[tracing::instrument(skip_all)]
-    async fn list_snapshots(&self, request: Request<ListSnapshotsRequest>) -> Result<Response<ListSnapshotsResponse>, Status> {
+    async fn list_snapshots(
+        &self,
+        request: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
         let req = request.into_inner();
         let max = max_entries(req.max_entries)?;
         let start = starting_token(&req.starting_token, |t| self.backend.is_snapshot_id(t))?;
@@ -402,9 +526,19 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
             snapshot_id: (!req.snapshot_id.is_empty()).then_some(req.snapshot_id),
             source_volume_id: (!req.source_volume_id.is_empty()).then_some(req.source_volume_id),
         };
-        let page = self.backend.list_snapshots(filter, start.as_deref(), max).await.map_err(to_status)?;
+        let page = self
+            .backend
+            .list_snapshots(filter, start.as_deref(), max)
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(ListSnapshotsResponse {
-            entries: page.entries.iter().map(|s| list_snapshots_response::Entry { snapshot: Some(snapshot(s)) }).collect(),
+            entries: page
+                .entries
+                .iter()
+                .map(|s| list_snapshots_response::Entry {
+                    snapshot: Some(snapshot(s)),
+                })
+                .collect(),
             next_token: page.next.unwrap_or_default(),
         }))
     }
@@ -412,7 +546,10 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
     /// MUST grow the volume to at least required_bytes (never shrink; already large enough is
     /// success) and say whether the node must finish the job.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id))]
-    async fn controller_expand_volume(&self, request: Request<ControllerExpandVolumeRequest>) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+    async fn controller_expand_volume(
+        &self,
+        request: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         let req = request.into_inner();
         validate::require("volume_id", &req.volume_id)?;
         if req.capacity_range.is_none() {
@@ -420,36 +557,59 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         }
         let (required, limit) = capacity_range(&req.capacity_range)?;
         if required == 0 {
-            return Err(invalid("capacity_range.required_bytes must be set to the new size"));
+            return Err(invalid(
+                "capacity_range.required_bytes must be set to the new size",
+            ));
         }
         if let Some(cap) = &req.volume_capability {
             validate::capability(cap, self.multi_node())?;
         }
         if !self.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
         let guard = self.lock(&req.volume_id)?;
         let backend = self.backend.clone();
         let size = run_to_completion(async move {
             let _guard = guard;
-            backend.expand_volume(&req.volume_id, required).await.map_err(to_status)
+            backend
+                .expand_volume(&req.volume_id, required)
+                .await
+                .map_err(to_status)
         })
         .await?;
         if limit > 0 && size > limit {
-            return Err(to_status(Error::OutOfRange(format!("the volume is {size} bytes, above limit_bytes {limit}"))));
+            return Err(to_status(Error::OutOfRange(format!(
+                "the volume is {size} bytes, above limit_bytes {limit}"
+            ))));
         }
-        Ok(Response::new(ControllerExpandVolumeResponse { capacity_bytes: size as i64, node_expansion_required: true }))
+        Ok(Response::new(ControllerExpandVolumeResponse {
+            capacity_bytes: size as i64,
+            node_expansion_required: true,
+        }))
     }
 
     /// MUST describe an existing volume and its condition; unknown is NOT_FOUND.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id))]
-    async fn controller_get_volume(&self, request: Request<ControllerGetVolumeRequest>) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+    async fn controller_get_volume(
+        &self,
+        request: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
         let req = request.into_inner();
         validate::require("volume_id", &req.volume_id)?;
         if !self.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
-        let v = self.backend.get_volume(&req.volume_id).await.map_err(to_status)?;
+        let v = self
+            .backend
+            .get_volume(&req.volume_id)
+            .await
+            .map_err(to_status)?;
         Ok(Response::new(ControllerGetVolumeResponse {
             volume: Some(volume(&v)),
             status: Some(controller_get_volume_response::VolumeStatus {
@@ -459,21 +619,40 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         }))
     }
 
-    async fn controller_modify_volume(&self, _request: Request<ControllerModifyVolumeRequest>) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
-        Err(Status::unimplemented("ControllerModifyVolume is not supported by this backend"))
+    async fn controller_modify_volume(
+        &self,
+        _request: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "ControllerModifyVolume is not supported by this backend",
+        ))
     }
 
     /// MUST describe an existing snapshot; unknown is NOT_FOUND.
     #[tracing::instrument(skip_all, fields(snapshot_id = %request.get_ref().snapshot_id))]
-    async fn get_snapshot(&self, request: Request<GetSnapshotRequest>) -> Result<Response<GetSnapshotResponse>, Status> {
+    async fn get_snapshot(
+        &self,
+        request: Request<GetSnapshotRequest>,
+    ) -> Result<Response<GetSnapshotResponse>, Status> {
         let req = request.into_inner();
         validate::require("snapshot_id", &req.snapshot_id)?;
-        let filter = SnapshotFilter { snapshot_id: Some(req.snapshot_id.clone()), source_volume_id: None };
-        let page = self.backend.list_snapshots(filter, None, 0).await.map_err(to_status)?;
-        let snap = page
-            .entries
-            .first()
-            .ok_or_else(|| to_status(Error::NotFound(format!("snapshot {} does not exist", req.snapshot_id))))?;
-        Ok(Response::new(GetSnapshotResponse { snapshot: Some(snapshot(snap)) }))
+        let filter = SnapshotFilter {
+            snapshot_id: Some(req.snapshot_id.clone()),
+            source_volume_id: None,
+        };
+        let page = self
+            .backend
+            .list_snapshots(filter, None, 0)
+            .await
+            .map_err(to_status)?;
+        let snap = page.entries.first().ok_or_else(|| {
+            to_status(Error::NotFound(format!(
+                "snapshot {} does not exist",
+                req.snapshot_id
+            )))
+        })?;
+        Ok(Response::new(GetSnapshotResponse {
+            snapshot: Some(snapshot(snap)),
+        }))
     }
 }

@@ -67,9 +67,14 @@ async fn run(args: Args) -> Result<()> {
     let socket = server::socket_path(&args.endpoint).map_err(anyhow::Error::msg)?;
     match args.backend {
         Backend::Local => {
-            let driver = args.driver_name.clone().unwrap_or_else(|| "local.csi.ferrovol.dev".into());
+            let driver = args
+                .driver_name
+                .clone()
+                .unwrap_or_else(|| "local.csi.ferrovol.dev".into());
             let Some(node_id) = args.node_id.clone().filter(|n| !n.is_empty()) else {
-                bail!("--node-id (or NODE_ID) is required with the local backend: volumes are created on this node");
+                bail!(
+                    "--node-id (or NODE_ID) is required with the local backend: volumes are created on this node"
+                );
             };
             let backend = LocalBackend::new(LocalConfig {
                 state_dir: args.state_dir.clone(),
@@ -77,9 +82,17 @@ async fn run(args: Args) -> Result<()> {
                 topology_key: format!("{driver}/node"),
             })
             .context("opening the local backend's state directory")?;
-            backend.recover().context("repairing state left by an earlier run")?;
+            backend
+                .recover()
+                .context("repairing state left by an earlier run")?;
             let locks = backend.locks().clone();
-            serve(&socket, driver, "local", ControllerService::new(Arc::new(backend), locks)).await
+            serve(
+                &socket,
+                driver,
+                "local",
+                ControllerService::new(Arc::new(backend), locks),
+            )
+            .await
         }
     }
 }
@@ -97,8 +110,12 @@ async fn serve<B: cloud_backend::ControllerBackend>(
         Arc::new(|| true),
     );
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<ControllerServer<ControllerService<B>>>().await;
-    let listener = server::bind(socket).await.with_context(|| format!("binding {}", socket.display()))?;
+    health
+        .set_serving::<ControllerServer<ControllerService<B>>>()
+        .await;
+    let listener = server::bind(socket)
+        .await
+        .with_context(|| format!("binding {}", socket.display()))?;
     tracing::info!(driver = %driver, backend, endpoint = %socket.display(), "csi-controller serving");
     tonic::transport::Server::builder()
         .add_service(health_service)

@@ -101,8 +101,13 @@ impl identity_server::Identity for IdentityService {
 
     /// Reports whether the plugin is healthy and ready. Kept local and cheap on purpose: a
     /// slow or failing dependency must not make livenessprobe restart the plugin in a loop.
-    async fn probe(&self, _request: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
-        Ok(Response::new(ProbeResponse { ready: Some((self.ready)()) }))
+    async fn probe(
+        &self,
+        _request: Request<ProbeRequest>,
+    ) -> Result<Response<ProbeResponse>, Status> {
+        Ok(Response::new(ProbeResponse {
+            ready: Some((self.ready)()),
+        }))
     }
 }
 

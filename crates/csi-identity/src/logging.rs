@@ -18,14 +18,18 @@ impl std::str::FromStr for Format {
         match s {
             "text" => Ok(Format::Text),
             "json" => Ok(Format::Json),
-            other => Err(format!("unknown log format {other:?} (expected text or json)")),
+            other => Err(format!(
+                "unknown log format {other:?} (expected text or json)"
+            )),
         }
     }
 }
 
 pub fn init(format: Format, level: &str) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         Format::Text => builder.try_init(),
         Format::Json => builder.json().flatten_event(true).try_init(),

@@ -10,11 +10,13 @@ use tokio_stream::wrappers::UnixListenerStream;
 /// Parses a CSI endpoint; only `unix://` sockets are served (kubelet and the sidecars speak
 /// gRPC over Unix sockets, and a TCP listener would expose the plugin to the network).
 pub fn socket_path(endpoint: &str) -> Result<PathBuf, String> {
-    let path = endpoint
-        .strip_prefix("unix://")
-        .ok_or_else(|| format!("endpoint {endpoint:?} must start with unix:// (e.g. unix:///csi/csi.sock)"))?;
+    let path = endpoint.strip_prefix("unix://").ok_or_else(|| {
+        format!("endpoint {endpoint:?} must start with unix:// (e.g. unix:///csi/csi.sock)")
+    })?;
     if !path.starts_with('/') {
-        return Err(format!("endpoint {endpoint:?} must name an absolute path (unix:///…)"));
+        return Err(format!(
+            "endpoint {endpoint:?} must name an absolute path (unix:///…)"
+        ));
     }
     Ok(PathBuf::from(path))
 }
@@ -26,7 +28,10 @@ pub async fn bind(path: &Path) -> io::Result<UnixListener> {
         if !md.file_type().is_socket() {
             return Err(io::Error::new(
                 io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket; refusing to remove it", path.display()),
+                format!(
+                    "{} exists and is not a socket; refusing to remove it",
+                    path.display()
+                ),
             ));
         }
         if tokio::net::UnixStream::connect(path).await.is_ok() {
@@ -59,7 +64,10 @@ pub fn incoming(listener: UnixListener) -> UnixListenerStream {
 /// Resolves when the process receives SIGTERM or SIGINT.
 pub async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers; the plugin will only stop when killed");
         return std::future::pending().await;
     };
@@ -71,7 +79,10 @@ pub async fn shutdown_signal() {
 
 /// A gRPC channel over a Unix socket, for tests and tools (`unix:///path` or a bare path).
 pub async fn connect(endpoint: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint).to_string();
+    let path = endpoint
+        .strip_prefix("unix://")
+        .unwrap_or(endpoint)
+        .to_string();
     tonic::transport::Endpoint::from_static("http://[::]:50051")
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
@@ -89,7 +100,10 @@ mod tests {
 
     #[test]
     fn endpoints_must_be_absolute_unix_sockets() {
-        assert_eq!(socket_path("unix:///csi/csi.sock").unwrap(), PathBuf::from("/csi/csi.sock"));
+        assert_eq!(
+            socket_path("unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
         assert!(socket_path("tcp://0.0.0.0:1").is_err());
         assert!(socket_path("unix://relative.sock").is_err());
     }
@@ -101,11 +115,19 @@ mod tests {
         let first = bind(&path).await.unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        assert!(bind(&path).await.is_err(), "a live socket must not be stolen");
+        assert!(
+            bind(&path).await.is_err(),
+            "a live socket must not be stolen"
+        );
         drop(first);
-        bind(&path).await.expect("a dead socket is stale and gets replaced");
+        bind(&path)
+            .await
+            .expect("a dead socket is stale and gets replaced");
         std::fs::remove_file(&path).unwrap();
         std::fs::write(&path, b"not a socket").unwrap();
-        assert!(bind(&path).await.is_err(), "a regular file is never removed");
+        assert!(
+            bind(&path).await.is_err(),
+            "a regular file is never removed"
+        );
     }
 }

@@ -34,10 +34,15 @@ mod tests {
 
     #[test]
     fn busy_is_aborted_and_messages_survive() {
-        let s = to_status(Error::Busy("another operation on vol-1 is in progress".into()));
+        let s = to_status(Error::Busy(
+            "another operation on vol-1 is in progress".into(),
+        ));
         assert_eq!(s.code(), Code::Aborted);
         assert!(s.message().contains("vol-1"));
-        let io = Error::io("opening /x", std::io::Error::from_raw_os_error(libc::EACCES));
+        let io = Error::io(
+            "opening /x",
+            std::io::Error::from_raw_os_error(libc::EACCES),
+        );
         assert_eq!(to_status(io).code(), Code::Internal);
     }
 }

@@ -14,7 +14,10 @@ pub const MAX_NAME_LEN: usize = 253;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Access {
-    Mount { fs_type: String, mount_flags: Vec<String> },
+    Mount {
+        fs_type: String,
+        mount_flags: Vec<String>,
+    },
     Block,
 }
 
@@ -26,7 +29,10 @@ pub struct Capability {
 
 impl Capability {
     pub fn read_only_mode(&self) -> bool {
-        matches!(self.mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
+        matches!(
+            self.mode,
+            Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly
+        )
     }
 }
 
@@ -40,7 +46,10 @@ pub fn require(field: &str, value: &str) -> Result<(), Status> {
 pub fn name(value: &str) -> Result<(), Status> {
     require("name", value)?;
     if value.len() > MAX_NAME_LEN {
-        return Err(invalid(format!("name is {} bytes long; at most {MAX_NAME_LEN} are accepted", value.len())));
+        return Err(invalid(format!(
+            "name is {} bytes long; at most {MAX_NAME_LEN} are accepted",
+            value.len()
+        )));
     }
     Ok(())
 }
@@ -54,8 +63,14 @@ pub fn capability(cap: &VolumeCapability, multi_node: bool) -> Result<Capability
         .map(|m| Mode::try_from(m.mode).unwrap_or(Mode::Unknown))
         .ok_or_else(|| invalid("volume_capability.access_mode is required"))?;
     match mode {
-        Mode::Unknown => return Err(invalid("volume_capability.access_mode is UNKNOWN or unrecognised")),
-        Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter if !multi_node => {
+        Mode::Unknown => {
+            return Err(invalid(
+                "volume_capability.access_mode is UNKNOWN or unrecognised",
+            ));
+        }
+        Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter
+            if !multi_node =>
+        {
             return Err(invalid(format!(
                 "access mode {} is not supported: volumes of this backend attach to one node at a time \
                  (use SINGLE_NODE_WRITER, SINGLE_NODE_SINGLE_WRITER, SINGLE_NODE_MULTI_WRITER or SINGLE_NODE_READER_ONLY)",
@@ -67,12 +82,19 @@ pub fn capability(cap: &VolumeCapability, multi_node: bool) -> Result<Capability
     let access = match &cap.access_type {
         Some(AccessType::Block(_)) => Access::Block,
         Some(AccessType::Mount(m)) => mount(m)?,
-        None => return Err(invalid("volume_capability.access_type is required (mount or block)")),
+        None => {
+            return Err(invalid(
+                "volume_capability.access_type is required (mount or block)",
+            ));
+        }
     };
     Ok(Capability { access, mode })
 }
 
-pub fn capabilities(caps: &[VolumeCapability], multi_node: bool) -> Result<Vec<Capability>, Status> {
+pub fn capabilities(
+    caps: &[VolumeCapability],
+    multi_node: bool,
+) -> Result<Vec<Capability>, Status> {
     if caps.is_empty() {
         return Err(invalid("volume_capabilities is required"));
     }
@@ -80,9 +102,16 @@ pub fn capabilities(caps: &[VolumeCapability], multi_node: bool) -> Result<Vec<C
 }
 
 fn mount(m: &MountVolume) -> Result<Access, Status> {
-    let fs_type = if m.fs_type.is_empty() { DEFAULT_FS_TYPE.to_string() } else { m.fs_type.clone() };
+    let fs_type = if m.fs_type.is_empty() {
+        DEFAULT_FS_TYPE.to_string()
+    } else {
+        m.fs_type.clone()
+    };
     if !FS_TYPES.contains(&fs_type.as_str()) {
-        return Err(invalid(format!("fs_type {:?} is not supported; choose one of {FS_TYPES:?}", m.fs_type)));
+        return Err(invalid(format!(
+            "fs_type {:?} is not supported; choose one of {FS_TYPES:?}",
+            m.fs_type
+        )));
     }
     if !m.volume_mount_group.is_empty() {
         return Err(invalid(
@@ -92,14 +121,31 @@ fn mount(m: &MountVolume) -> Result<Access, Status> {
     for flag in &m.mount_flags {
         mount_flag(flag)?;
     }
-    Ok(Access::Mount { fs_type, mount_flags: m.mount_flags.clone() })
+    Ok(Access::Mount {
+        fs_type,
+        mount_flags: m.mount_flags.clone(),
+    })
 }
 
 /// Flags that would change what is mounted rather than how (binds, moves, remounts) or that
 /// could smuggle several options into one, are refused.
 pub fn mount_flag(flag: &str) -> Result<(), Status> {
-    const FORBIDDEN: &[&str] = &["bind", "rbind", "move", "remount", "make-shared", "make-private", "make-slave", "make-rshared", "make-rprivate", "make-rslave", "make-unbindable"];
-    let ok_chars = flag.chars().all(|c| c.is_ascii_alphanumeric() || "=_-.:/".contains(c));
+    const FORBIDDEN: &[&str] = &[
+        "bind",
+        "rbind",
+        "move",
+        "remount",
+        "make-shared",
+        "make-private",
+        "make-slave",
+        "make-rshared",
+        "make-rprivate",
+        "make-rslave",
+        "make-unbindable",
+    ];
+    let ok_chars = flag
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "=_-.:/".contains(c));
     if flag.is_empty() || !ok_chars || FORBIDDEN.contains(&flag) {
         return Err(invalid(format!("mount flag {flag:?} is not allowed")));
     }
@@ -112,7 +158,10 @@ mod tests {
     use csi_proto::v1::volume_capability::{AccessMode, BlockVolume};
 
     fn cap(mode: Mode, access: AccessType) -> VolumeCapability {
-        VolumeCapability { access_mode: Some(AccessMode { mode: mode as i32 }), access_type: Some(access) }
+        VolumeCapability {
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+            access_type: Some(access),
+        }
     }
 
     fn mount_cap(fs: &str, flags: &[&str]) -> VolumeCapability {
@@ -129,7 +178,13 @@ mod tests {
     #[test]
     fn defaults_and_allow_list() {
         let c = capability(&mount_cap("", &[]), false).unwrap();
-        assert_eq!(c.access, Access::Mount { fs_type: "ext4".into(), mount_flags: vec![] });
+        assert_eq!(
+            c.access,
+            Access::Mount {
+                fs_type: "ext4".into(),
+                mount_flags: vec![]
+            }
+        );
         assert!(capability(&mount_cap("xfs", &["noatime"]), false).is_ok());
         for bad in ["btrfs", "ext4; rm -rf /", "vfat", "../xfs"] {
             let err = capability(&mount_cap(bad, &[]), false).unwrap_err();
@@ -140,16 +195,25 @@ mod tests {
     #[test]
     fn hostile_mount_flags_are_refused() {
         for bad in ["bind", "remount", "ro,bind", "x y", ""] {
-            assert!(capability(&mount_cap("ext4", &[bad]), false).is_err(), "{bad:?}");
+            assert!(
+                capability(&mount_cap("ext4", &[bad]), false).is_err(),
+                "{bad:?}"
+            );
         }
     }
 
     #[test]
     fn multi_node_modes_need_backend_support() {
-        let c = cap(Mode::MultiNodeMultiWriter, AccessType::Block(BlockVolume {}));
+        let c = cap(
+            Mode::MultiNodeMultiWriter,
+            AccessType::Block(BlockVolume {}),
+        );
         assert!(capability(&c, false).is_err());
         assert!(capability(&c, true).is_ok());
-        let unknown = VolumeCapability { access_mode: None, access_type: Some(AccessType::Block(BlockVolume {})) };
+        let unknown = VolumeCapability {
+            access_mode: None,
+            access_type: Some(AccessType::Block(BlockVolume {})),
+        };
         assert!(capability(&unknown, true).is_err());
     }
 }

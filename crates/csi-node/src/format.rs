@@ -89,11 +89,30 @@ fn run(program: &str, args: &[&str], target: &Path) -> Result<()> {
 /// fresh sparse file or a fresh cloud volume) and discarding it would only cost time.
 pub fn mkfs(device: &Path, fs_type: &str, force: bool) -> Result<()> {
     match (fs_type, force) {
-        ("ext4", false) => run("mkfs.ext4", &["-q", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"], device),
-        ("ext4", true) => run("mkfs.ext4", &["-q", "-F", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1"], device),
+        ("ext4", false) => run(
+            "mkfs.ext4",
+            &[
+                "-q",
+                "-E",
+                "nodiscard,lazy_itable_init=1,lazy_journal_init=1",
+            ],
+            device,
+        ),
+        ("ext4", true) => run(
+            "mkfs.ext4",
+            &[
+                "-q",
+                "-F",
+                "-E",
+                "nodiscard,lazy_itable_init=1,lazy_journal_init=1",
+            ],
+            device,
+        ),
         ("xfs", false) => run("mkfs.xfs", &["-q", "-K"], device),
         ("xfs", true) => run("mkfs.xfs", &["-q", "-K", "-f"], device),
-        (other, _) => Err(Error::InvalidArgument(format!("fs_type {other:?} is not supported"))),
+        (other, _) => Err(Error::InvalidArgument(format!(
+            "fs_type {other:?} is not supported"
+        ))),
     }
 }
 
@@ -105,8 +124,10 @@ pub fn filesystem_bytes(device: &Path, fs_type: &str) -> Result<Option<u64>> {
     let mut sb = [0u8; 1024];
     match fs_type {
         "ext4" | "ext3" | "ext2" => {
-            f.read_exact_at(&mut sb, 1024).context(|| format!("reading the superblock of {}", device.display()))?;
-            let le32 = |o: usize| u32::from_le_bytes([sb[o], sb[o + 1], sb[o + 2], sb[o + 3]]) as u64;
+            f.read_exact_at(&mut sb, 1024)
+                .context(|| format!("reading the superblock of {}", device.display()))?;
+            let le32 =
+                |o: usize| u32::from_le_bytes([sb[o], sb[o + 1], sb[o + 2], sb[o + 3]]) as u64;
             if le32(0x38) & 0xffff != 0xEF53 {
                 return Ok(None);
             }
@@ -115,12 +136,14 @@ pub fn filesystem_bytes(device: &Path, fs_type: &str) -> Result<Option<u64>> {
             Ok(Some(blocks << (10 + le32(0x18))))
         }
         "xfs" => {
-            f.read_exact_at(&mut sb[..512], 0).context(|| format!("reading the superblock of {}", device.display()))?;
+            f.read_exact_at(&mut sb[..512], 0)
+                .context(|| format!("reading the superblock of {}", device.display()))?;
             if &sb[0..4] != b"XFSB" {
                 return Ok(None);
             }
             let blocksize = u32::from_be_bytes([sb[4], sb[5], sb[6], sb[7]]) as u64;
-            let dblocks = u64::from_be_bytes([sb[8], sb[9], sb[10], sb[11], sb[12], sb[13], sb[14], sb[15]]);
+            let dblocks =
+                u64::from_be_bytes([sb[8], sb[9], sb[10], sb[11], sb[12], sb[13], sb[14], sb[15]]);
             Ok(Some(dblocks * blocksize))
         }
         _ => Ok(None),
@@ -139,7 +162,11 @@ pub fn grow_offline(fs_type: &str, device: &Path) -> Result<()> {
     if !matches!(fs_type, "ext4" | "ext3" | "ext2") {
         return Ok(());
     }
-    let out = command("e2fsck").args(["-f", "-p"]).arg(device).output().context(|| "running e2fsck".to_string())?;
+    let out = command("e2fsck")
+        .args(["-f", "-p"])
+        .arg(device)
+        .output()
+        .context(|| "running e2fsck".to_string())?;
     // 0: clean, 1: errors corrected. Anything else leaves the filesystem alone.
     if !matches!(out.status.code(), Some(0) | Some(1)) {
         return Err(Error::Command {
@@ -156,16 +183,20 @@ pub fn grow(fs_type: &str, device: &Path, mount_point: &Path) -> Result<()> {
     let res = match fs_type {
         "ext4" | "ext3" | "ext2" => run("resize2fs", &[], device),
         "xfs" => run("xfs_growfs", &["-d"], mount_point),
-        other => Err(Error::FailedPrecondition(format!("cannot grow a {other} filesystem"))),
+        other => Err(Error::FailedPrecondition(format!(
+            "cannot grow a {other} filesystem"
+        ))),
     };
     match res {
         // The kernel's online ext4 resize (EXT4_IOC_RESIZE_FS) needs CAP_SYS_RESOURCE; say so
         // instead of passing on resize2fs's bare "Permission denied".
-        Err(Error::Command { stderr, .. }) if stderr.contains("Permission denied") => Err(Error::FailedPrecondition(format!(
-            "online resize of {} was refused by the kernel: the node plugin lacks CAP_SYS_RESOURCE. \
+        Err(Error::Command { stderr, .. }) if stderr.contains("Permission denied") => {
+            Err(Error::FailedPrecondition(format!(
+                "online resize of {} was refused by the kernel: the node plugin lacks CAP_SYS_RESOURCE. \
              Run it privileged, or unstage the volume: it is grown offline at the next NodeStageVolume",
-            device.display()
-        ))),
+                device.display()
+            )))
+        }
         other => other,
     }
 }
@@ -181,23 +212,48 @@ mod tests {
             let img = dir.path().join(fs);
             std::fs::File::create(&img).unwrap().set_len(size).unwrap();
             let prog = format!("mkfs.{fs}");
-            let st = Command::new(&prog).arg("-q").arg(&img).status().unwrap_or_else(|e| panic!("{prog}: {e}"));
+            let st = Command::new(&prog)
+                .arg("-q")
+                .arg(&img)
+                .status()
+                .unwrap_or_else(|e| panic!("{prog}: {e}"));
             assert!(st.success());
             let got = filesystem_bytes(&img, fs).unwrap().unwrap();
-            assert!(got <= size && got > size - (8 << 20), "{fs}: {got} of {size}");
+            assert!(
+                got <= size && got > size - (8 << 20),
+                "{fs}: {got} of {size}"
+            );
             assert!(!needs_growth(&img, fs, size).unwrap());
             assert!(needs_growth(&img, fs, size * 2).unwrap());
         }
-        assert_eq!(filesystem_bytes(&dir.path().join("ext4"), "xfs").unwrap(), None);
+        assert_eq!(
+            filesystem_bytes(&dir.path().join("ext4"), "xfs").unwrap(),
+            None
+        );
     }
 
     #[test]
     fn offline_growth_of_ext4_reaches_the_new_size() {
         let dir = tempfile::tempdir().unwrap();
         let img = dir.path().join("img");
-        std::fs::File::create(&img).unwrap().set_len(32 << 20).unwrap();
-        assert!(Command::new("mkfs.ext4").arg("-q").arg(&img).status().unwrap().success());
-        std::fs::OpenOptions::new().write(true).open(&img).unwrap().set_len(64 << 20).unwrap();
+        std::fs::File::create(&img)
+            .unwrap()
+            .set_len(32 << 20)
+            .unwrap();
+        assert!(
+            Command::new("mkfs.ext4")
+                .arg("-q")
+                .arg(&img)
+                .status()
+                .unwrap()
+                .success()
+        );
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&img)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
         grow_offline("ext4", &img).unwrap();
         assert_eq!(filesystem_bytes(&img, "ext4").unwrap(), Some(64 << 20));
     }

@@ -84,12 +84,17 @@ async fn run(args: Args) -> Result<()> {
         bail!("--max-volumes-per-node must not be negative");
     }
     let socket = server::socket_path(&args.endpoint).map_err(anyhow::Error::msg)?;
-    std::fs::create_dir_all(&args.kubelet_dir).with_context(|| format!("creating {}", args.kubelet_dir.display()))?;
+    std::fs::create_dir_all(&args.kubelet_dir)
+        .with_context(|| format!("creating {}", args.kubelet_dir.display()))?;
     let kubelet = KubeletDir::open(&args.kubelet_dir).context("opening the kubelet directory")?;
-    let intents = Intents::new(args.state_dir.join("node/format-intents")).context("opening the format intent directory")?;
+    let intents = Intents::new(args.state_dir.join("node/format-intents"))
+        .context("opening the format intent directory")?;
     match args.backend {
         Backend::Local => {
-            let driver = args.driver_name.clone().unwrap_or_else(|| "local.csi.ferrovol.dev".into());
+            let driver = args
+                .driver_name
+                .clone()
+                .unwrap_or_else(|| "local.csi.ferrovol.dev".into());
             let topology_key = format!("{driver}/node");
             let backend = LocalBackend::new(LocalConfig {
                 state_dir: args.state_dir.clone(),
@@ -97,6 +102,10 @@ async fn run(args: Args) -> Result<()> {
                 topology_key: topology_key.clone(),
             })
             .context("opening the local backend's state directory")?;
+            // A controller killed in the middle of a snapshot copy leaves the filesystem it froze
+            // frozen, and with it every pod writing to it. Whichever plugin starts first thaws it.
+            cloud_backend::sys::copy::thaw_leftovers(&args.state_dir.join("frozen"))
+                .context("thawing filesystems left frozen")?;
             let locks = backend.locks().clone();
             let cfg = NodeConfig {
                 node_id: args.node_id.clone(),
@@ -110,7 +119,12 @@ async fn run(args: Args) -> Result<()> {
     }
 }
 
-async fn serve<B: cloud_backend::NodeBackend>(socket: &std::path::Path, driver: String, backend: &str, node: NodeService<B, SysMounter>) -> Result<()> {
+async fn serve<B: cloud_backend::NodeBackend>(
+    socket: &std::path::Path,
+    driver: String,
+    backend: &str,
+    node: NodeService<B, SysMounter>,
+) -> Result<()> {
     let identity = IdentityService::new(
         driver.clone(),
         [("backend".to_string(), backend.to_string())].into(),
@@ -118,8 +132,12 @@ async fn serve<B: cloud_backend::NodeBackend>(socket: &std::path::Path, driver: 
         Arc::new(|| true),
     );
     let (health, health_service) = tonic_health::server::health_reporter();
-    health.set_serving::<NodeServer<NodeService<B, SysMounter>>>().await;
-    let listener = server::bind(socket).await.with_context(|| format!("binding {}", socket.display()))?;
+    health
+        .set_serving::<NodeServer<NodeService<B, SysMounter>>>()
+        .await;
+    let listener = server::bind(socket)
+        .await
+        .with_context(|| format!("binding {}", socket.display()))?;
     tracing::info!(driver = %driver, backend, endpoint = %socket.display(), "csi-node serving");
     tonic::transport::Server::builder()
         .add_service(health_service)

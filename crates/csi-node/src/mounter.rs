@@ -11,7 +11,13 @@ use sys_mount::{Mount, MountFlags};
 
 pub trait Mounter: Send + Sync + 'static {
     /// Mounts the filesystem on `device` at `target` with the CSI mount flags.
-    fn mount_fs(&self, device: &Path, target: &Confined, fs_type: &str, flags: &[String]) -> Result<()>;
+    fn mount_fs(
+        &self,
+        device: &Path,
+        target: &Confined,
+        fs_type: &str,
+        flags: &[String],
+    ) -> Result<()>;
     /// Bind-mounts `source` (a staging directory or a device node) onto `target`.
     fn bind(&self, source: &Path, target: &Confined, read_only: bool) -> Result<()>;
     /// Unmounts whatever is mounted at `target` (one layer).
@@ -57,7 +63,13 @@ fn proc_fd_path(fd: &impl AsRawFd) -> String {
 }
 
 impl Mounter for SysMounter {
-    fn mount_fs(&self, device: &Path, target: &Confined, fs_type: &str, flags: &[String]) -> Result<()> {
+    fn mount_fs(
+        &self,
+        device: &Path,
+        target: &Confined,
+        fs_type: &str,
+        flags: &[String],
+    ) -> Result<()> {
         let (mf, data) = split_flags(fs_type, flags);
         let fd = target.open_target()?;
         let mut builder = Mount::builder().fstype(fs_type).flags(mf);
@@ -67,7 +79,16 @@ impl Mounter for SysMounter {
         builder
             .mount(device, proc_fd_path(&fd))
             .map(drop)
-            .map_err(|e| Error::io(format!("mounting {} ({fs_type}) at {}", device.display(), target.path.display()), e))
+            .map_err(|e| {
+                Error::io(
+                    format!(
+                        "mounting {} ({fs_type}) at {}",
+                        device.display(),
+                        target.path.display()
+                    ),
+                    e,
+                )
+            })
     }
 
     fn bind(&self, source: &Path, target: &Confined, read_only: bool) -> Result<()> {
@@ -76,7 +97,16 @@ impl Mounter for SysMounter {
             .flags(MountFlags::BIND)
             .mount(source, proc_fd_path(&fd))
             .map(drop)
-            .map_err(|e| Error::io(format!("bind-mounting {} at {}", source.display(), target.path.display()), e))?;
+            .map_err(|e| {
+                Error::io(
+                    format!(
+                        "bind-mounting {} at {}",
+                        source.display(),
+                        target.path.display()
+                    ),
+                    e,
+                )
+            })?;
         drop(fd);
         if read_only {
             // A bind mount ignores MS_RDONLY on creation; read-only takes a second call.
@@ -86,7 +116,9 @@ impl Mounter for SysMounter {
                 .flags(MountFlags::BIND | MountFlags::REMOUNT | MountFlags::RDONLY)
                 .mount("", proc_fd_path(&fd))
                 .map(drop)
-                .map_err(|e| Error::io(format!("remounting {} read-only", target.path.display()), e));
+                .map_err(|e| {
+                    Error::io(format!("remounting {} read-only", target.path.display()), e)
+                });
             drop(fd);
             if let Err(e) = res {
                 // Never leave a writable mount where a read-only one was asked for.
@@ -113,7 +145,10 @@ impl Mounter for SysMounter {
             if e.raw_os_error() == Some(libc::EINVAL) {
                 return Ok(()); // not a mount point (any more)
             }
-            return Err(Error::io(format!("unmounting {}", target.path.display()), e));
+            return Err(Error::io(
+                format!("unmounting {}", target.path.display()),
+                e,
+            ));
         }
         Ok(())
     }

@@ -64,7 +64,10 @@ impl KubeletDir {
     pub fn confine(&self, field: &str, path: &str) -> Result<Confined> {
         let rel = self.relative(field, path)?;
         let mut components: Vec<&OsStr> = rel.iter().collect();
-        let name = components.pop().expect("relative() returns a non-empty path").to_os_string();
+        let name = components
+            .pop()
+            .expect("relative() returns a non-empty path")
+            .to_os_string();
         let parent_rel: PathBuf = components.iter().collect();
         let parent = if parent_rel.as_os_str().is_empty() {
             dup(&self.fd)?
@@ -78,7 +81,11 @@ impl KubeletDir {
                 _ => Error::io(format!("opening the parent of {path}"), e),
             })?
         };
-        Ok(Confined { path: PathBuf::from(path), parent, name })
+        Ok(Confined {
+            path: PathBuf::from(path),
+            parent,
+            name,
+        })
     }
 
     /// The lexical checks: absolute, normal components only, strictly below the root.
@@ -88,16 +95,28 @@ impl KubeletDir {
         }
         let p = Path::new(path);
         if !p.is_absolute() {
-            return Err(Error::InvalidArgument(format!("{field} {path:?} must be an absolute path")));
+            return Err(Error::InvalidArgument(format!(
+                "{field} {path:?} must be an absolute path"
+            )));
         }
-        if p.components().any(|c| matches!(c, Component::ParentDir | Component::CurDir)) || path.split('/').any(|s| s == "." || s == "..") {
-            return Err(Error::InvalidArgument(format!("{field} {path:?} must not contain . or .. components")));
+        if p.components()
+            .any(|c| matches!(c, Component::ParentDir | Component::CurDir))
+            || path.split('/').any(|s| s == "." || s == "..")
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{field} {path:?} must not contain . or .. components"
+            )));
         }
         let rel = p.strip_prefix(&self.root).map_err(|_| {
-            Error::InvalidArgument(format!("{field} {path:?} is outside the kubelet directory {}", self.root.display()))
+            Error::InvalidArgument(format!(
+                "{field} {path:?} is outside the kubelet directory {}",
+                self.root.display()
+            ))
         })?;
         if rel.as_os_str().is_empty() {
-            return Err(Error::InvalidArgument(format!("{field} {path:?} is the kubelet directory itself")));
+            return Err(Error::InvalidArgument(format!(
+                "{field} {path:?} is the kubelet directory itself"
+            )));
         }
         Ok(rel.to_path_buf())
     }
@@ -119,7 +138,14 @@ impl Confined {
     pub fn kind(&self) -> Result<Kind> {
         // SAFETY: fstatat on an owned directory descriptor and a NUL-terminated name.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        let rc = unsafe { libc::fstatat(self.parent.as_raw_fd(), self.c_name().as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
+        let rc = unsafe {
+            libc::fstatat(
+                self.parent.as_raw_fd(),
+                self.c_name().as_ptr(),
+                &mut st,
+                libc::AT_SYMLINK_NOFOLLOW,
+            )
+        };
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             return match e.raw_os_error() {
@@ -139,9 +165,18 @@ impl Confined {
     /// `/proc/self/fd/N` name is a safe mount target. (No O_NOFOLLOW: with O_PATH it would open
     /// the link itself; RESOLVE_NO_SYMLINKS makes a final link fail with ELOOP instead.)
     pub fn open_target(&self) -> Result<OwnedFd> {
-        openat2(&self.parent, Path::new(&self.name), libc::O_PATH | libc::O_CLOEXEC).map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => Error::InvalidArgument(format!("{} is a symbolic link", self.path.display())),
-            Some(libc::ENOENT) => Error::NotFound(format!("{} does not exist", self.path.display())),
+        openat2(
+            &self.parent,
+            Path::new(&self.name),
+            libc::O_PATH | libc::O_CLOEXEC,
+        )
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => {
+                Error::InvalidArgument(format!("{} is a symbolic link", self.path.display()))
+            }
+            Some(libc::ENOENT) => {
+                Error::NotFound(format!("{} does not exist", self.path.display()))
+            }
             _ => Error::io(format!("opening {}", self.path.display()), e),
         })
     }
@@ -152,7 +187,10 @@ impl Confined {
         if rc != 0 {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EEXIST) {
-                return Err(Error::io(format!("creating directory {}", self.path.display()), e));
+                return Err(Error::io(
+                    format!("creating directory {}", self.path.display()),
+                    e,
+                ));
             }
         }
         Ok(())
@@ -161,10 +199,18 @@ impl Confined {
     pub fn create_file(&self) -> Result<()> {
         // SAFETY: openat relative to an owned directory descriptor; O_NOFOLLOW refuses links.
         let fd = unsafe {
-            libc::openat(self.parent.as_raw_fd(), self.c_name().as_ptr(), libc::O_CREAT | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC, 0o640)
+            libc::openat(
+                self.parent.as_raw_fd(),
+                self.c_name().as_ptr(),
+                libc::O_CREAT | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0o640,
+            )
         };
         if fd < 0 {
-            return Err(Error::io(format!("creating file {}", self.path.display()), std::io::Error::last_os_error()));
+            return Err(Error::io(
+                format!("creating file {}", self.path.display()),
+                std::io::Error::last_os_error(),
+            ));
         }
         // SAFETY: fd was just returned by openat and is owned by nobody else.
         drop(unsafe { OwnedFd::from_raw_fd(fd) });
@@ -178,7 +224,13 @@ impl Confined {
             Kind::Missing => Ok(true),
             Kind::Directory => {
                 // SAFETY: unlinkat relative to an owned directory descriptor.
-                let rc = unsafe { libc::unlinkat(self.parent.as_raw_fd(), self.c_name().as_ptr(), libc::AT_REMOVEDIR) };
+                let rc = unsafe {
+                    libc::unlinkat(
+                        self.parent.as_raw_fd(),
+                        self.c_name().as_ptr(),
+                        libc::AT_REMOVEDIR,
+                    )
+                };
                 if rc == 0 {
                     return Ok(true);
                 }
@@ -191,13 +243,16 @@ impl Confined {
             }
             Kind::File => {
                 let fd = self.open_target()?;
-                let size = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd())).map(|m| m.len()).unwrap_or(1);
+                let size = std::fs::metadata(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                    .map(|m| m.len())
+                    .unwrap_or(1);
                 drop(fd);
                 if size != 0 {
                     return Ok(false);
                 }
                 // SAFETY: as above.
-                let rc = unsafe { libc::unlinkat(self.parent.as_raw_fd(), self.c_name().as_ptr(), 0) };
+                let rc =
+                    unsafe { libc::unlinkat(self.parent.as_raw_fd(), self.c_name().as_ptr(), 0) };
                 if rc != 0 {
                     let e = std::io::Error::last_os_error();
                     if e.raw_os_error() != Some(libc::ENOENT) {
@@ -212,26 +267,47 @@ impl Confined {
 }
 
 fn open_dir_plain(path: &Path) -> Result<OwnedFd> {
-    let c = CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::InvalidArgument("path contains NUL".into()))?;
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| Error::InvalidArgument("path contains NUL".into()))?;
     // SAFETY: open with a NUL-terminated path.
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
     if fd < 0 {
-        return Err(Error::io(format!("opening {}", path.display()), std::io::Error::last_os_error()));
+        return Err(Error::io(
+            format!("opening {}", path.display()),
+            std::io::Error::last_os_error(),
+        ));
     }
     // SAFETY: fresh descriptor.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 fn dup(fd: &OwnedFd) -> Result<OwnedFd> {
-    fd.try_clone().map_err(|e| Error::io("duplicating a descriptor", e))
+    fd.try_clone()
+        .map_err(|e| Error::io("duplicating a descriptor", e))
 }
 
 fn openat2(dir: &OwnedFd, rel: &Path, flags: i32) -> std::io::Result<OwnedFd> {
-    let c = CString::new(rel.as_os_str().as_bytes()).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    let how = OpenHow { flags: flags as u64, mode: 0, resolve: RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS };
+    let c = CString::new(rel.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    let how = OpenHow {
+        flags: flags as u64,
+        mode: 0,
+        resolve: RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
     // SAFETY: openat2 reads `how` (size given) and a NUL-terminated path.
     let fd = unsafe {
-        libc::syscall(libc::SYS_openat2, dir.as_raw_fd(), c.as_ptr(), &how as *const OpenHow, std::mem::size_of::<OpenHow>())
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
     };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
@@ -258,7 +334,9 @@ mod tests {
     #[test]
     fn accepts_paths_below_the_root() {
         let (_d, k) = setup();
-        let c = k.confine("target_path", &p(&k, "pods/p1/volumes/mount")).unwrap();
+        let c = k
+            .confine("target_path", &p(&k, "pods/p1/volumes/mount"))
+            .unwrap();
         assert_eq!(c.kind().unwrap(), Kind::Missing);
         c.create_dir().unwrap();
         assert_eq!(c.kind().unwrap(), Kind::Directory);
@@ -288,15 +366,22 @@ mod tests {
         let (_d, k) = setup();
         std::os::unix::fs::symlink("/etc", k.root().join("pods/p1/evil")).unwrap();
         std::os::unix::fs::symlink("/", k.root().join("pods/rootlink")).unwrap();
-        let err = k.confine("target_path", &p(&k, "pods/p1/evil/x")).unwrap_err();
+        let err = k
+            .confine("target_path", &p(&k, "pods/p1/evil/x"))
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
-        let err = k.confine("target_path", &p(&k, "pods/rootlink/etc/x")).unwrap_err();
+        let err = k
+            .confine("target_path", &p(&k, "pods/rootlink/etc/x"))
+            .unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         // The final component as a link: confine() succeeds (parent is fine) but using it fails.
         let c = k.confine("target_path", &p(&k, "pods/p1/evil")).unwrap();
         assert_eq!(c.kind().unwrap(), Kind::Other);
         assert!(c.open_target().is_err());
-        assert!(!c.remove_if_empty().unwrap(), "a link is not ours to remove");
+        assert!(
+            !c.remove_if_empty().unwrap(),
+            "a link is not ours to remove"
+        );
         assert!(std::fs::symlink_metadata(k.root().join("pods/p1/evil")).is_ok());
     }
 
@@ -306,9 +391,25 @@ mod tests {
         std::fs::create_dir(k.root().join("pods/p1/full")).unwrap();
         std::fs::write(k.root().join("pods/p1/full/data"), b"keep me").unwrap();
         std::fs::write(k.root().join("pods/p1/file"), b"keep me too").unwrap();
-        assert!(!k.confine("t", &p(&k, "pods/p1/full")).unwrap().remove_if_empty().unwrap());
-        assert!(!k.confine("t", &p(&k, "pods/p1/file")).unwrap().remove_if_empty().unwrap());
-        assert_eq!(std::fs::read(k.root().join("pods/p1/full/data")).unwrap(), b"keep me");
-        assert_eq!(std::fs::read(k.root().join("pods/p1/file")).unwrap(), b"keep me too");
+        assert!(
+            !k.confine("t", &p(&k, "pods/p1/full"))
+                .unwrap()
+                .remove_if_empty()
+                .unwrap()
+        );
+        assert!(
+            !k.confine("t", &p(&k, "pods/p1/file"))
+                .unwrap()
+                .remove_if_empty()
+                .unwrap()
+        );
+        assert_eq!(
+            std::fs::read(k.root().join("pods/p1/full/data")).unwrap(),
+            b"keep me"
+        );
+        assert_eq!(
+            std::fs::read(k.root().join("pods/p1/file")).unwrap(),
+            b"keep me too"
+        );
     }
 }

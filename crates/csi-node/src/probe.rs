@@ -36,10 +36,14 @@ pub fn probe(device: &Path) -> Result<Content> {
             if edges_are_zero(device)? {
                 Ok(Content::Blank)
             } else {
-                Ok(Content::Other("data without a recognisable signature".into()))
+                Ok(Content::Other(
+                    "data without a recognisable signature".into(),
+                ))
             }
         }
-        Some(8) => Ok(Content::Other("several conflicting signatures (blkid: ambivalent result)".into())),
+        Some(8) => Ok(Content::Other(
+            "several conflicting signatures (blkid: ambivalent result)".into(),
+        )),
         _ => Err(Error::Command {
             program: format!("blkid -p {}", device.display()),
             status: out.status.to_string(),
@@ -71,11 +75,15 @@ pub fn parse_export(text: &str) -> Content {
 fn edges_are_zero(device: &Path) -> Result<bool> {
     const WINDOW: u64 = 1 << 20;
     let mut f = std::fs::File::open(device).context(|| format!("opening {}", device.display()))?;
-    let size = f.seek(SeekFrom::End(0)).context(|| format!("sizing {}", device.display()))?;
+    let size = f
+        .seek(SeekFrom::End(0))
+        .context(|| format!("sizing {}", device.display()))?;
     let mut buf = vec![0u8; WINDOW.min(size) as usize];
     for start in [0, size.saturating_sub(WINDOW)] {
-        f.seek(SeekFrom::Start(start)).context(|| format!("seeking {}", device.display()))?;
-        f.read_exact(&mut buf).context(|| format!("reading {}", device.display()))?;
+        f.seek(SeekFrom::Start(start))
+            .context(|| format!("seeking {}", device.display()))?;
+        f.read_exact(&mut buf)
+            .context(|| format!("reading {}", device.display()))?;
         if buf.iter().any(|b| *b != 0) {
             return Ok(false);
         }
@@ -90,8 +98,13 @@ mod tests {
 
     #[test]
     fn export_output_is_classified() {
-        assert_eq!(parse_export("DEVNAME=/dev/loop0\nUUID=x\nTYPE=ext4\nUSAGE=filesystem\n"), Content::Filesystem("ext4".into()));
-        assert!(matches!(parse_export("TYPE=crypto_LUKS\nUSAGE=crypto\n"), Content::Other(s) if s.contains("crypto_LUKS")));
+        assert_eq!(
+            parse_export("DEVNAME=/dev/loop0\nUUID=x\nTYPE=ext4\nUSAGE=filesystem\n"),
+            Content::Filesystem("ext4".into())
+        );
+        assert!(
+            matches!(parse_export("TYPE=crypto_LUKS\nUSAGE=crypto\n"), Content::Other(s) if s.contains("crypto_LUKS"))
+        );
         assert!(matches!(parse_export("PTTYPE=gpt\n"), Content::Other(s) if s.contains("gpt")));
     }
 
@@ -99,19 +112,34 @@ mod tests {
     fn probe_of_files_distinguishes_blank_data_and_filesystems() {
         let dir = tempfile::tempdir().unwrap();
         let blank = dir.path().join("blank");
-        std::fs::File::create(&blank).unwrap().set_len(8 << 20).unwrap();
+        std::fs::File::create(&blank)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
         assert_eq!(probe(&blank).unwrap(), Content::Blank);
 
         let data = dir.path().join("data");
         let f = std::fs::File::create(&data).unwrap();
         f.set_len(8 << 20).unwrap();
         std::fs::write(&data, b"application bytes, no signature").unwrap();
-        std::fs::OpenOptions::new().write(true).open(&data).unwrap().set_len(8 << 20).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&data)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
         assert!(matches!(probe(&data).unwrap(), Content::Other(_)));
 
         let fs = dir.path().join("fs");
-        std::fs::File::create(&fs).unwrap().set_len(16 << 20).unwrap();
-        let st = Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&fs).status().expect("mkfs.ext4 (e2fsprogs) is needed");
+        std::fs::File::create(&fs)
+            .unwrap()
+            .set_len(16 << 20)
+            .unwrap();
+        let st = Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .arg(&fs)
+            .status()
+            .expect("mkfs.ext4 (e2fsprogs) is needed");
         assert!(st.success());
         assert_eq!(probe(&fs).unwrap(), Content::Filesystem("ext4".into()));
     }
@@ -119,6 +147,9 @@ mod tests {
     #[test]
     fn probe_failure_is_an_error_not_blank() {
         let err = probe(Path::new("/nonexistent/device")).unwrap_err();
-        assert!(matches!(err, Error::Command { .. } | Error::Io { .. }), "{err}");
+        assert!(
+            matches!(err, Error::Command { .. } | Error::Io { .. }),
+            "{err}"
+        );
     }
 }

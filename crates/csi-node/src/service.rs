@@ -1,6 +1,6 @@
 use crate::format::{self, FormatIntent, Intents};
 use crate::mounter::Mounter;
-use crate::paths::{Confined, KubeletDir, Kind};
+use crate::paths::{Confined, Kind, KubeletDir};
 use crate::probe::{self, Content};
 use cloud_backend::sys::ioctl;
 use cloud_backend::sys::lock::{LockGuard, Locks};
@@ -40,8 +40,24 @@ struct Inner<B, M> {
 }
 
 impl<B: NodeBackend, M: Mounter> NodeService<B, M> {
-    pub fn new(backend: B, mounter: M, kubelet: KubeletDir, locks: Locks, intents: Intents, cfg: NodeConfig) -> Self {
-        NodeService { inner: Arc::new(Inner { backend, mounter, kubelet, locks, intents, cfg }) }
+    pub fn new(
+        backend: B,
+        mounter: M,
+        kubelet: KubeletDir,
+        locks: Locks,
+        intents: Intents,
+        cfg: NodeConfig,
+    ) -> Self {
+        NodeService {
+            inner: Arc::new(Inner {
+                backend,
+                mounter,
+                kubelet,
+                locks,
+                intents,
+                cfg,
+            }),
+        }
     }
 
     fn lock(&self, volume_id: &str) -> std::result::Result<LockGuard, Status> {
@@ -81,7 +97,10 @@ fn shows_device(m: &MountEntry, dev: &Path, major: u32, minor: u32) -> bool {
         return true;
     }
     // A device node bind-mounted onto a file appears as devtmpfs with root /<name>.
-    m.fs_type == "devtmpfs" && dev.file_name().is_some_and(|n| m.root == Path::new("/").join(n))
+    m.fs_type == "devtmpfs"
+        && dev
+            .file_name()
+            .is_some_and(|n| m.root == Path::new("/").join(n))
 }
 
 fn dev_numbers(dev: &Path) -> Result<(u32, u32)> {
@@ -89,8 +108,21 @@ fn dev_numbers(dev: &Path) -> Result<(u32, u32)> {
     Ok((libc::major(md.rdev()), libc::minor(md.rdev())))
 }
 
+/// What every step of one node RPC needs to know about the call it serves.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    rt: &'a tokio::runtime::Handle,
+    volume_id: &'a str,
+    publish_context: &'a BTreeMap<String, String>,
+}
+
 impl<B: NodeBackend, M: Mounter> Inner<B, M> {
-    fn attach(&self, rt: &tokio::runtime::Handle, volume_id: &str, publish_context: &BTreeMap<String, String>) -> Result<AttachedDevice> {
+    fn attach(
+        &self,
+        rt: &tokio::runtime::Handle,
+        volume_id: &str,
+        publish_context: &BTreeMap<String, String>,
+    ) -> Result<AttachedDevice> {
         rt.block_on(self.backend.attach(volume_id, publish_context))
     }
 
@@ -103,12 +135,27 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
             }
             self.mounter.unmount(target)?;
         }
-        Err(Error::Internal(format!("{} is still mounted after 8 unmounts", target.path.display())))
+        Err(Error::Internal(format!(
+            "{} is still mounted after 8 unmounts",
+            target.path.display()
+        )))
     }
 
     /// NodeStage for a filesystem volume, and the re-stage that NodePublish performs after a
     /// reboot (`allow_format` false there: a publish never formats).
-    fn stage_mount(&self, rt: &tokio::runtime::Handle, volume_id: &str, staging: &Confined, fs_type: &str, flags: &[String], publish_context: &BTreeMap<String, String>, allow_format: bool) -> Result<()> {
+    fn stage_mount(
+        &self,
+        call: &Call<'_>,
+        staging: &Confined,
+        fs_type: &str,
+        flags: &[String],
+        allow_format: bool,
+    ) -> Result<()> {
+        let Call {
+            rt,
+            volume_id,
+            publish_context,
+        } = *call;
         let device = self.attach(rt, volume_id, publish_context)?;
         let (major, minor) = dev_numbers(&device.path)?;
         let mounts = self.mounter.mounts()?;
@@ -122,7 +169,10 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                 m.source
             )));
         }
-        if let Some(other) = mounts.iter().find(|m| shows_device(m, &device.path, major, minor)) {
+        if let Some(other) = mounts
+            .iter()
+            .find(|m| shows_device(m, &device.path, major, minor))
+        {
             return Err(Error::FailedPrecondition(format!(
                 "{} (volume {volume_id}) is already mounted at {}; refusing to mount it twice",
                 device.path.display(),
@@ -132,7 +182,12 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
         match staging.kind()? {
             Kind::Missing => staging.create_dir()?,
             Kind::Directory => {}
-            _ => return Err(Error::FailedPrecondition(format!("{} exists and is not a directory", staging.path.display()))),
+            _ => {
+                return Err(Error::FailedPrecondition(format!(
+                    "{} exists and is not a directory",
+                    staging.path.display()
+                )));
+            }
         }
         let fresh = self.ensure_filesystem(volume_id, &device, fs_type, allow_format)?;
         // A volume restored or cloned into a larger size, or expanded while unstaged, carries a
@@ -142,7 +197,8 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
         if grow && fs_type != "xfs" {
             format::grow_offline(fs_type, &device.path)?;
         }
-        self.mounter.mount_fs(&device.path, staging, fs_type, flags)?;
+        self.mounter
+            .mount_fs(&device.path, staging, fs_type, flags)?;
         if grow && fs_type == "xfs" {
             format::grow(fs_type, &device.path, &staging.path)?;
         }
@@ -152,9 +208,17 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
     /// Makes sure `device` carries a `fs_type` filesystem; returns whether it was just created.
     /// Never formats a device carrying anything, except to finish this plugin's own interrupted
     /// format of this very device incarnation.
-    fn ensure_filesystem(&self, volume_id: &str, device: &AttachedDevice, fs_type: &str, allow_format: bool) -> Result<bool> {
+    fn ensure_filesystem(
+        &self,
+        volume_id: &str,
+        device: &AttachedDevice,
+        fs_type: &str,
+        allow_format: bool,
+    ) -> Result<bool> {
         let intent = self.intents.get(volume_id)?;
-        let ours = intent.as_ref().is_some_and(|i| i.identity == device.identity && i.fs_type == fs_type);
+        let ours = intent
+            .as_ref()
+            .is_some_and(|i| i.identity == device.identity && i.fs_type == fs_type);
         if intent.is_some() && !ours {
             // An intent for an earlier incarnation (volume deleted and re-created) proves nothing.
             self.intents.clear(volume_id)?;
@@ -183,14 +247,24 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                 "volume {volume_id} has no filesystem yet; NodeStageVolume must run before NodePublishVolume"
             )));
         }
-        self.intents.record(&FormatIntent { volume_id: volume_id.to_string(), identity: device.identity.clone(), fs_type: fs_type.to_string() })?;
+        self.intents.record(&FormatIntent {
+            volume_id: volume_id.to_string(),
+            identity: device.identity.clone(),
+            fs_type: fs_type.to_string(),
+        })?;
         format::mkfs(&device.path, fs_type, force)?;
         self.intents.clear(volume_id)?;
         tracing::info!(%volume_id, device = %device.path.display(), fs_type, "created filesystem");
         Ok(true)
     }
 
-    fn stage_block(&self, rt: &tokio::runtime::Handle, volume_id: &str, staging: &Confined, publish_context: &BTreeMap<String, String>) -> Result<()> {
+    fn stage_block(
+        &self,
+        rt: &tokio::runtime::Handle,
+        volume_id: &str,
+        staging: &Confined,
+        publish_context: &BTreeMap<String, String>,
+    ) -> Result<()> {
         self.attach(rt, volume_id, publish_context)?;
         if staging.kind()? == Kind::Missing {
             staging.create_dir()?;
@@ -198,12 +272,20 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
         Ok(())
     }
 
-    fn unstage(&self, rt: &tokio::runtime::Handle, volume_id: &str, staging: &Confined) -> Result<()> {
+    fn unstage(
+        &self,
+        rt: &tokio::runtime::Handle,
+        volume_id: &str,
+        staging: &Confined,
+    ) -> Result<()> {
         self.unmount_all(staging)?;
         if let Some(device) = rt.block_on(self.backend.find(volume_id))? {
             let (major, minor) = dev_numbers(&device.path)?;
             let mounts = self.mounter.mounts()?;
-            if let Some(m) = mounts.iter().find(|m| shows_device(m, &device.path, major, minor)) {
+            if let Some(m) = mounts
+                .iter()
+                .find(|m| shows_device(m, &device.path, major, minor))
+            {
                 return Err(Error::FailedPrecondition(format!(
                     "volume {volume_id} is still in use at {}; unpublish it before unstaging",
                     m.mount_point.display()
@@ -213,10 +295,25 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
         rt.block_on(self.backend.detach(volume_id))
     }
 
-    fn publish(&self, rt: &tokio::runtime::Handle, volume_id: &str, cap: &Capability, staging: &Confined, target: &Confined, read_only: bool, publish_context: &BTreeMap<String, String>) -> Result<()> {
+    fn publish(
+        &self,
+        call: &Call<'_>,
+        cap: &Capability,
+        staging: &Confined,
+        target: &Confined,
+        read_only: bool,
+    ) -> Result<()> {
+        let Call {
+            rt,
+            volume_id,
+            publish_context,
+        } = *call;
         let read_only = read_only || cap.read_only_mode();
         match &cap.access {
-            Access::Mount { fs_type, mount_flags } => {
+            Access::Mount {
+                fs_type,
+                mount_flags,
+            } => {
                 let mounts = self.mounter.mounts()?;
                 let staged = mountinfo::find_by_mount_point(&mounts, &staging.path).cloned();
                 let staged = match staged {
@@ -224,15 +321,22 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                     None => {
                         // After a reboot kubelet may publish before it re-stages: re-attach and
                         // re-mount (never format) so the workload gets its data back.
-                        self.stage_mount(rt, volume_id, staging, fs_type, mount_flags, publish_context, false)?;
+                        self.stage_mount(call, staging, fs_type, mount_flags, false)?;
                         let mounts = self.mounter.mounts()?;
                         mountinfo::find_by_mount_point(&mounts, &staging.path)
                             .cloned()
-                            .ok_or_else(|| Error::Internal(format!("{} vanished right after staging", staging.path.display())))?
+                            .ok_or_else(|| {
+                                Error::Internal(format!(
+                                    "{} vanished right after staging",
+                                    staging.path.display()
+                                ))
+                            })?
                     }
                 };
                 let device = rt.block_on(self.backend.find(volume_id))?.ok_or_else(|| {
-                    Error::FailedPrecondition(format!("volume {volume_id} is not attached to this node; stage it first"))
+                    Error::FailedPrecondition(format!(
+                        "volume {volume_id} is not attached to this node; stage it first"
+                    ))
                 })?;
                 let (major, minor) = dev_numbers(&device.path)?;
                 if (staged.major, staged.minor) != (major, minor) {
@@ -242,13 +346,26 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                         staged.source
                     )));
                 }
-                if let Some(existing) = mountinfo::find_by_mount_point(&mounts_now(self)?, &target.path) {
-                    return compatible(existing, (major, minor), &device.path, read_only, &target.path);
+                if let Some(existing) =
+                    mountinfo::find_by_mount_point(&mounts_now(self)?, &target.path)
+                {
+                    return compatible(
+                        existing,
+                        (major, minor),
+                        &device.path,
+                        read_only,
+                        &target.path,
+                    );
                 }
                 match target.kind()? {
                     Kind::Missing => target.create_dir()?,
                     Kind::Directory => {}
-                    _ => return Err(Error::FailedPrecondition(format!("{} exists and is not a directory", target.path.display()))),
+                    _ => {
+                        return Err(Error::FailedPrecondition(format!(
+                            "{} exists and is not a directory",
+                            target.path.display()
+                        )));
+                    }
                 }
                 self.mounter.bind(&staging.path, target, read_only)
             }
@@ -258,18 +375,41 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                     None => self.attach(rt, volume_id, publish_context)?,
                 };
                 let (major, minor) = dev_numbers(&device.path)?;
-                if let Some(existing) = mountinfo::find_by_mount_point(&mounts_now(self)?, &target.path) {
-                    return compatible(existing, (major, minor), &device.path, read_only, &target.path);
+                if let Some(existing) =
+                    mountinfo::find_by_mount_point(&mounts_now(self)?, &target.path)
+                {
+                    return compatible(
+                        existing,
+                        (major, minor),
+                        &device.path,
+                        read_only,
+                        &target.path,
+                    );
                 }
                 match target.kind()? {
                     Kind::Missing => target.create_file()?,
                     Kind::File => {}
-                    _ => return Err(Error::FailedPrecondition(format!("{} exists and is not a file; raw block targets are files", target.path.display()))),
+                    _ => {
+                        return Err(Error::FailedPrecondition(format!(
+                            "{} exists and is not a file; raw block targets are files",
+                            target.path.display()
+                        )));
+                    }
                 }
                 // The read-only flag of a device is shared by every user of it, so read-only and
                 // read-write raw publishes of one volume cannot coexist on a node.
-                let others = self.mounter.mounts()?.into_iter().filter(|m| shows_device(m, &device.path, major, minor)).count();
-                let device_ro = ioctl::block_device_read_only(&device.path).map_err(|e| Error::io(format!("reading the read-only flag of {}", device.path.display()), e))?;
+                let others = self
+                    .mounter
+                    .mounts()?
+                    .into_iter()
+                    .filter(|m| shows_device(m, &device.path, major, minor))
+                    .count();
+                let device_ro = ioctl::block_device_read_only(&device.path).map_err(|e| {
+                    Error::io(
+                        format!("reading the read-only flag of {}", device.path.display()),
+                        e,
+                    )
+                })?;
                 if others > 0 && device_ro != read_only {
                     return Err(Error::FailedPrecondition(format!(
                         "volume {volume_id} is already published {} on this node; a raw block volume cannot be read-only and read-write at once",
@@ -277,23 +417,43 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
                     )));
                 }
                 if device_ro != read_only {
-                    ioctl::set_block_device_read_only(&device.path, read_only).map_err(|e| Error::io(format!("setting the read-only flag of {}", device.path.display()), e))?;
+                    ioctl::set_block_device_read_only(&device.path, read_only).map_err(|e| {
+                        Error::io(
+                            format!("setting the read-only flag of {}", device.path.display()),
+                            e,
+                        )
+                    })?;
                 }
                 self.mounter.bind(&device.path, target, read_only)
             }
         }
     }
 
-    fn unpublish(&self, rt: &tokio::runtime::Handle, volume_id: &str, target: &Confined) -> Result<()> {
-        let was_block = mountinfo::find_by_mount_point(&self.mounter.mounts()?, &target.path).is_some_and(|m| m.fs_type == "devtmpfs");
+    fn unpublish(
+        &self,
+        rt: &tokio::runtime::Handle,
+        volume_id: &str,
+        target: &Confined,
+    ) -> Result<()> {
+        let was_block = mountinfo::find_by_mount_point(&self.mounter.mounts()?, &target.path)
+            .is_some_and(|m| m.fs_type == "devtmpfs");
         self.unmount_all(target)?;
         if was_block {
             // The last raw publish gone: give the device its writability back for the next user.
             if let Some(device) = rt.block_on(self.backend.find(volume_id))? {
                 let (major, minor) = dev_numbers(&device.path)?;
-                let still_used = self.mounter.mounts()?.iter().any(|m| shows_device(m, &device.path, major, minor));
+                let still_used = self
+                    .mounter
+                    .mounts()?
+                    .iter()
+                    .any(|m| shows_device(m, &device.path, major, minor));
                 if !still_used && ioctl::block_device_read_only(&device.path).unwrap_or(false) {
-                    ioctl::set_block_device_read_only(&device.path, false).map_err(|e| Error::io(format!("clearing the read-only flag of {}", device.path.display()), e))?;
+                    ioctl::set_block_device_read_only(&device.path, false).map_err(|e| {
+                        Error::io(
+                            format!("clearing the read-only flag of {}", device.path.display()),
+                            e,
+                        )
+                    })?;
                 }
             }
         }
@@ -304,17 +464,30 @@ impl<B: NodeBackend, M: Mounter> Inner<B, M> {
     }
 
     /// The mount at `path` if it shows this volume's device.
-    fn volume_mount(&self, rt: &tokio::runtime::Handle, volume_id: &str, path: &Path) -> Result<(MountEntry, AttachedDevice)> {
+    fn volume_mount(
+        &self,
+        rt: &tokio::runtime::Handle,
+        volume_id: &str,
+        path: &Path,
+    ) -> Result<(MountEntry, AttachedDevice)> {
         let mounts = self.mounter.mounts()?;
         let mount = mountinfo::find_by_mount_point(&mounts, path)
             .cloned()
-            .ok_or_else(|| Error::NotFound(format!("volume {volume_id} is not mounted at {}", path.display())))?;
-        let device = rt
-            .block_on(self.backend.find(volume_id))?
-            .ok_or_else(|| Error::NotFound(format!("volume {volume_id} is not attached to this node")))?;
+            .ok_or_else(|| {
+                Error::NotFound(format!(
+                    "volume {volume_id} is not mounted at {}",
+                    path.display()
+                ))
+            })?;
+        let device = rt.block_on(self.backend.find(volume_id))?.ok_or_else(|| {
+            Error::NotFound(format!("volume {volume_id} is not attached to this node"))
+        })?;
         let (major, minor) = dev_numbers(&device.path)?;
         if !shows_device(&mount, &device.path, major, minor) {
-            return Err(Error::NotFound(format!("{} does not hold volume {volume_id}", path.display())));
+            return Err(Error::NotFound(format!(
+                "{} does not hold volume {volume_id}",
+                path.display()
+            )));
         }
         Ok((mount, device))
     }
@@ -335,15 +508,29 @@ fn mounts_now<B: NodeBackend, M: Mounter>(inner: &Inner<B, M>) -> Result<Vec<Mou
 
 /// A target already mounted: the same volume with the same read-only-ness is success; anything
 /// else is ALREADY_EXISTS (the spec's "published with incompatible capability").
-fn compatible(existing: &MountEntry, dev: (u32, u32), device: &Path, read_only: bool, target: &Path) -> Result<()> {
+fn compatible(
+    existing: &MountEntry,
+    dev: (u32, u32),
+    device: &Path,
+    read_only: bool,
+    target: &Path,
+) -> Result<()> {
     if !shows_device(existing, device, dev.0, dev.1) {
-        return Err(Error::AlreadyExists(format!("{} already holds another volume ({})", target.display(), existing.source)));
+        return Err(Error::AlreadyExists(format!(
+            "{} already holds another volume ({})",
+            target.display(),
+            existing.source
+        )));
     }
     if existing.is_read_only() != read_only {
         return Err(Error::AlreadyExists(format!(
             "{} is already published {}; unpublish it before publishing it {}",
             target.display(),
-            if existing.is_read_only() { "read-only" } else { "read-write" },
+            if existing.is_read_only() {
+                "read-only"
+            } else {
+                "read-write"
+            },
             if read_only { "read-only" } else { "read-write" }
         )));
     }
@@ -352,11 +539,15 @@ fn compatible(existing: &MountEntry, dev: (u32, u32), device: &Path, read_only: 
 
 fn statvfs(path: &Path) -> Result<libc::statvfs> {
     use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| Error::InvalidArgument("path contains NUL".into()))?;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| Error::InvalidArgument("path contains NUL".into()))?;
     // SAFETY: statvfs writes into a zeroed struct we own.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(Error::io(format!("statvfs {}", path.display()), std::io::Error::last_os_error()));
+        return Err(Error::io(
+            format!("statvfs {}", path.display()),
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(st)
 }
@@ -377,20 +568,41 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
     /// filesystem only if the device is blank, mount it with the requested flags. Repeating
     /// the call MUST succeed; a staging path holding something else is ALREADY_EXISTS.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, staging = %request.get_ref().staging_target_path))]
-    async fn node_stage_volume(&self, request: Request<NodeStageVolumeRequest>) -> std::result::Result<Response<NodeStageVolumeResponse>, Status> {
+    async fn node_stage_volume(
+        &self,
+        request: Request<NodeStageVolumeRequest>,
+    ) -> std::result::Result<Response<NodeStageVolumeResponse>, Status> {
         let req = request.into_inner();
         self.volume_id(&req.volume_id)?;
         validate::require("staging_target_path", &req.staging_target_path)?;
-        let cap = validate::capability(req.volume_capability.as_ref().ok_or_else(|| invalid("volume_capability is required"))?, self.inner.cfg.multi_node)?;
+        let cap = validate::capability(
+            req.volume_capability
+                .as_ref()
+                .ok_or_else(|| invalid("volume_capability is required"))?,
+            self.inner.cfg.multi_node,
+        )?;
         let staging = self.confine("staging_target_path", &req.staging_target_path)?;
         if !self.inner.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
         let publish_context = to_btree(&req.publish_context);
         let guard = self.lock(&req.volume_id)?;
         let id = req.volume_id.clone();
         self.run(guard, move |inner, rt| match &cap.access {
-            Access::Mount { fs_type, mount_flags } => inner.stage_mount(rt, &id, &staging, fs_type, mount_flags, &publish_context, true),
+            Access::Mount {
+                fs_type,
+                mount_flags,
+            } => {
+                let call = Call {
+                    rt,
+                    volume_id: &id,
+                    publish_context: &publish_context,
+                };
+                inner.stage_mount(&call, &staging, fs_type, mount_flags, true)
+            }
             Access::Block => inner.stage_block(rt, &id, &staging, &publish_context),
         })
         .await?;
@@ -400,17 +612,24 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
     /// MUST undo NodeStageVolume: unmount the staging path and release the device. A volume
     /// that is not staged (or no longer exists) is success.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, staging = %request.get_ref().staging_target_path))]
-    async fn node_unstage_volume(&self, request: Request<NodeUnstageVolumeRequest>) -> std::result::Result<Response<NodeUnstageVolumeResponse>, Status> {
+    async fn node_unstage_volume(
+        &self,
+        request: Request<NodeUnstageVolumeRequest>,
+    ) -> std::result::Result<Response<NodeUnstageVolumeResponse>, Status> {
         let req = request.into_inner();
         self.volume_id(&req.volume_id)?;
         validate::require("staging_target_path", &req.staging_target_path)?;
         let staging = self.confine("staging_target_path", &req.staging_target_path)?;
         if !self.inner.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
         let guard = self.lock(&req.volume_id)?;
         let id = req.volume_id.clone();
-        self.run(guard, move |inner, rt| inner.unstage(rt, &id, &staging)).await?;
+        self.run(guard, move |inner, rt| inner.unstage(rt, &id, &staging))
+            .await?;
         Ok(Response::new(NodeUnstageVolumeResponse {}))
     }
 
@@ -418,11 +637,19 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
     /// directory, or of the device node onto a file for raw block; read-only when asked.
     /// Repeating the call MUST succeed; an incompatible existing publish is ALREADY_EXISTS.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, target = %request.get_ref().target_path))]
-    async fn node_publish_volume(&self, request: Request<NodePublishVolumeRequest>) -> std::result::Result<Response<NodePublishVolumeResponse>, Status> {
+    async fn node_publish_volume(
+        &self,
+        request: Request<NodePublishVolumeRequest>,
+    ) -> std::result::Result<Response<NodePublishVolumeResponse>, Status> {
         let req = request.into_inner();
         self.volume_id(&req.volume_id)?;
         validate::require("target_path", &req.target_path)?;
-        let cap = validate::capability(req.volume_capability.as_ref().ok_or_else(|| invalid("volume_capability is required"))?, self.inner.cfg.multi_node)?;
+        let cap = validate::capability(
+            req.volume_capability
+                .as_ref()
+                .ok_or_else(|| invalid("volume_capability is required"))?,
+            self.inner.cfg.multi_node,
+        )?;
         validate::require("staging_target_path", &req.staging_target_path)?;
         let staging = self.confine("staging_target_path", &req.staging_target_path)?;
         let target = self.confine("target_path", &req.target_path)?;
@@ -430,13 +657,24 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
             return Err(invalid("target_path must differ from staging_target_path"));
         }
         if !self.inner.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
         let publish_context = to_btree(&req.publish_context);
         let guard = self.lock(&req.volume_id)?;
         let id = req.volume_id.clone();
         let read_only = req.readonly;
-        self.run(guard, move |inner, rt| inner.publish(rt, &id, &cap, &staging, &target, read_only, &publish_context)).await?;
+        self.run(guard, move |inner, rt| {
+            let call = Call {
+                rt,
+                volume_id: &id,
+                publish_context: &publish_context,
+            };
+            inner.publish(&call, &cap, &staging, &target, read_only)
+        })
+        .await?;
         Ok(Response::new(NodePublishVolumeResponse {}))
     }
 
@@ -444,17 +682,24 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
     /// there. A target already gone is success; a target holding data the plugin did not put
     /// there is left intact.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, target = %request.get_ref().target_path))]
-    async fn node_unpublish_volume(&self, request: Request<NodeUnpublishVolumeRequest>) -> std::result::Result<Response<NodeUnpublishVolumeResponse>, Status> {
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<NodeUnpublishVolumeRequest>,
+    ) -> std::result::Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let req = request.into_inner();
         self.volume_id(&req.volume_id)?;
         validate::require("target_path", &req.target_path)?;
         let target = self.confine("target_path", &req.target_path)?;
         if !self.inner.backend.is_volume_id(&req.volume_id) {
-            return Err(to_status(Error::NotFound(format!("volume {} does not exist", req.volume_id))));
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
         }
         let guard = self.lock(&req.volume_id)?;
         let id = req.volume_id.clone();
-        self.run(guard, move |inner, rt| inner.unpublish(rt, &id, &target)).await?;
+        self.run(guard, move |inner, rt| inner.unpublish(rt, &id, &target))
+            .await?;
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
     }
 
@@ -462,12 +707,20 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
     /// an unknown volume or path is NOT_FOUND. Reports an abnormal condition when the mount has
     /// vanished.
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, path = %request.get_ref().volume_path))]
-    async fn node_get_volume_stats(&self, request: Request<NodeGetVolumeStatsRequest>) -> std::result::Result<Response<NodeGetVolumeStatsResponse>, Status> {
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<NodeGetVolumeStatsRequest>,
+    ) -> std::result::Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let req = request.into_inner();
         self.volume_id(&req.volume_id)?;
         validate::require("volume_path", &req.volume_path)?;
-        if !self.inner.backend.is_volume_id(&req.volume_id) || !self.inner.kubelet.is_inside(&req.volume_path) {
-            return Err(to_status(Error::NotFound(format!("no volume {} at {}", req.volume_id, req.volume_path))));
+        if !self.inner.backend.is_volume_id(&req.volume_id)
+            || !self.inner.kubelet.is_inside(&req.volume_path)
+        {
+            return Err(to_status(Error::NotFound(format!(
+                "no volume {} at {}",
+                req.volume_id, req.volume_path
+            ))));
         }
         let path = self.confine("volume_path", &req.volume_path)?;
         let inner = self.inner.clone();
@@ -475,20 +728,30 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
         let rt = tokio::runtime::Handle::current();
         let resp = tokio::task::spawn_blocking(move || -> Result<NodeGetVolumeStatsResponse> {
             if path.kind()? == Kind::Missing {
-                return Err(Error::NotFound(format!("{} does not exist", path.path.display())));
+                return Err(Error::NotFound(format!(
+                    "{} does not exist",
+                    path.path.display()
+                )));
             }
             let (mount, device) = match inner.volume_mount(&rt, &id, &path.path) {
                 Ok(m) => m,
                 Err(Error::NotFound(why)) => {
                     return Ok(NodeGetVolumeStatsResponse {
                         usage: vec![],
-                        volume_condition: Some(VolumeCondition { abnormal: true, message: why }),
+                        volume_condition: Some(VolumeCondition {
+                            abnormal: true,
+                            message: why,
+                        }),
                     });
                 }
                 Err(e) => return Err(e),
             };
             let usage = if mount.fs_type == "devtmpfs" {
-                vec![VolumeUsage { total: device.size_bytes as i64, unit: volume_usage::Unit::Bytes as i32, ..Default::default() }]
+                vec![VolumeUsage {
+                    total: device.size_bytes as i64,
+                    unit: volume_usage::Unit::Bytes as i32,
+                    ..Default::default()
+                }]
             } else {
                 let st = statvfs(&path.path)?;
                 let bs = st.f_frsize as i64;
@@ -507,7 +770,13 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
                     },
                 ]
             };
-            Ok(NodeGetVolumeStatsResponse { usage, volume_condition: Some(VolumeCondition { abnormal: false, message: "volume is mounted and healthy".into() }) })
+            Ok(NodeGetVolumeStatsResponse {
+                usage,
+                volume_condition: Some(VolumeCondition {
+                    abnormal: false,
+                    message: "volume is mounted and healthy".into(),
+                }),
+            })
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
@@ -518,46 +787,79 @@ impl<B: NodeBackend, M: Mounter> Node for NodeService<B, M> {
     /// MUST grow what the node sees of the volume to its new size: refresh the device's
     /// capacity, then the filesystem (volume_path may be the staging or the target path).
     #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id, path = %request.get_ref().volume_path))]
-    async fn node_expand_volume(&self, request: Request<NodeExpandVolumeRequest>) -> std::result::Result<Response<NodeExpandVolumeResponse>, Status> {
+    async fn node_expand_volume(
+        &self,
+        request: Request<NodeExpandVolumeRequest>,
+    ) -> std::result::Result<Response<NodeExpandVolumeResponse>, Status> {
         let req = request.into_inner();
         self.volume_id(&req.volume_id)?;
         validate::require("volume_path", &req.volume_path)?;
         if let Some(cap) = &req.volume_capability {
             validate::capability(cap, self.inner.cfg.multi_node)?;
         }
-        if !self.inner.backend.is_volume_id(&req.volume_id) || !self.inner.kubelet.is_inside(&req.volume_path) {
-            return Err(to_status(Error::NotFound(format!("no volume {} at {}", req.volume_id, req.volume_path))));
+        if !self.inner.backend.is_volume_id(&req.volume_id)
+            || !self.inner.kubelet.is_inside(&req.volume_path)
+        {
+            return Err(to_status(Error::NotFound(format!(
+                "no volume {} at {}",
+                req.volume_id, req.volume_path
+            ))));
         }
         let path = self.confine("volume_path", &req.volume_path)?;
         let guard = self.lock(&req.volume_id)?;
         let id = req.volume_id.clone();
-        let size = self.run(guard, move |inner, rt| inner.expand(rt, &id, &path.path)).await?;
-        Ok(Response::new(NodeExpandVolumeResponse { capacity_bytes: size as i64 }))
+        let size = self
+            .run(guard, move |inner, rt| inner.expand(rt, &id, &path.path))
+            .await?;
+        Ok(Response::new(NodeExpandVolumeResponse {
+            capacity_bytes: size as i64,
+        }))
     }
 
     #[tracing::instrument(skip_all)]
-    async fn node_get_capabilities(&self, _request: Request<NodeGetCapabilitiesRequest>) -> std::result::Result<Response<NodeGetCapabilitiesResponse>, Status> {
+    async fn node_get_capabilities(
+        &self,
+        _request: Request<NodeGetCapabilitiesRequest>,
+    ) -> std::result::Result<Response<NodeGetCapabilitiesResponse>, Status> {
         use node_service_capability::rpc::Type;
         // VOLUME_MOUNT_GROUP is deliberately absent: ext4 and xfs have no gid mount option, and
         // advertising it would make kubelet skip its own fsGroup handling.
-        let types = [Type::StageUnstageVolume, Type::GetVolumeStats, Type::ExpandVolume, Type::VolumeCondition, Type::SingleNodeMultiWriter];
+        let types = [
+            Type::StageUnstageVolume,
+            Type::GetVolumeStats,
+            Type::ExpandVolume,
+            Type::VolumeCondition,
+            Type::SingleNodeMultiWriter,
+        ];
         Ok(Response::new(NodeGetCapabilitiesResponse {
             capabilities: types
                 .into_iter()
-                .map(|t| NodeServiceCapability { r#type: Some(node_service_capability::Type::Rpc(node_service_capability::Rpc { r#type: t as i32 })) })
+                .map(|t| NodeServiceCapability {
+                    r#type: Some(node_service_capability::Type::Rpc(
+                        node_service_capability::Rpc { r#type: t as i32 },
+                    )),
+                })
                 .collect(),
         }))
     }
 
     /// MUST identify this node the way the controller's topology and attach calls expect.
     #[tracing::instrument(skip_all)]
-    async fn node_get_info(&self, _request: Request<NodeGetInfoRequest>) -> std::result::Result<Response<NodeGetInfoResponse>, Status> {
+    async fn node_get_info(
+        &self,
+        _request: Request<NodeGetInfoRequest>,
+    ) -> std::result::Result<Response<NodeGetInfoResponse>, Status> {
         let cfg = &self.inner.cfg;
         Ok(Response::new(NodeGetInfoResponse {
             node_id: cfg.node_id.clone(),
             max_volumes_per_node: cfg.max_volumes_per_node,
-            accessible_topology: Some(Topology { segments: cfg.topology.iter().map(|(k, v)| (k.clone(), v.clone())).collect() }),
+            accessible_topology: Some(Topology {
+                segments: cfg
+                    .topology
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+            }),
         }))
     }
 }
-

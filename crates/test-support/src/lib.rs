@@ -10,7 +10,9 @@ use anyhow::{Context, Result, bail};
 use csi_proto::v1::controller_client::ControllerClient;
 use csi_proto::v1::identity_client::IdentityClient;
 use csi_proto::v1::node_client::NodeClient;
-use csi_proto::v1::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode};
+use csi_proto::v1::volume_capability::{
+    AccessMode, AccessType, BlockVolume, MountVolume, access_mode::Mode,
+};
 use csi_proto::v1::*;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -39,25 +41,35 @@ pub fn bin_dir() -> PathBuf {
 }
 
 fn test_root() -> PathBuf {
-    std::env::var_os("FERROVOL_TEST_ROOT").map(PathBuf::from).unwrap_or_else(std::env::temp_dir)
+    std::env::var_os("FERROVOL_TEST_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
 }
 
 /// Mounting tests must not be able to leak mounts into the host: they run in a private mount
 /// namespace (`cargo xtask test` arranges it). Running them any other way is an error, not a skip.
 pub fn require_private_mount_namespace() {
-    let mine = std::fs::read_link("/proc/self/ns/mnt").ok().map(|p| p.display().to_string());
+    let mine = std::fs::read_link("/proc/self/ns/mnt")
+        .ok()
+        .map(|p| p.display().to_string());
     // `cargo xtask` records the namespace it started in; /proc/1 is the fallback (it is not
     // readable in every sandbox).
-    let host = std::env::var("FERROVOL_HOST_MNT_NS")
-        .ok()
-        .or_else(|| std::fs::read_link("/proc/1/ns/mnt").ok().map(|p| p.display().to_string()));
+    let host = std::env::var("FERROVOL_HOST_MNT_NS").ok().or_else(|| {
+        std::fs::read_link("/proc/1/ns/mnt")
+            .ok()
+            .map(|p| p.display().to_string())
+    });
     assert!(
         mine.is_some() && host.is_some() && mine != host,
         "this test mounts filesystems and must run in a private mount namespace: run it through `cargo xtask test` \
          (or `FERROVOL_HOST_MNT_NS=$(readlink /proc/self/ns/mnt) unshare --mount --propagation private cargo test …`)"
     );
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(unsafe { libc::geteuid() }, 0, "this test needs root (loop devices and mount(2))");
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test needs root (loop devices and mount(2))"
+    );
 }
 
 pub struct Options {
@@ -68,7 +80,11 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { node_extra_args: vec![], controller_extra_args: vec![], log_level: "info".into() }
+        Options {
+            node_extra_args: vec![],
+            controller_extra_args: vec![],
+            log_level: "info".into(),
+        }
     }
 }
 
@@ -82,14 +98,30 @@ pub struct Plugin {
 }
 
 impl Plugin {
-    fn spawn(program: PathBuf, socket: PathBuf, log: PathBuf, args: Vec<String>, env: Vec<(String, String)>) -> Result<Self> {
-        let mut p = Plugin { child: None, args, program, socket, log, env };
+    fn spawn(
+        program: PathBuf,
+        socket: PathBuf,
+        log: PathBuf,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> Result<Self> {
+        let mut p = Plugin {
+            child: None,
+            args,
+            program,
+            socket,
+            log,
+            env,
+        };
         p.start()?;
         Ok(p)
     }
 
     pub fn start(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
         let child = Command::new(&self.program)
             .args(&self.args)
             .envs(self.env.iter().cloned())
@@ -98,19 +130,36 @@ impl Plugin {
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
-            .with_context(|| format!("starting {} (build it with `cargo build --workspace --bins`)", self.program.display()))?;
+            .with_context(|| {
+                format!(
+                    "starting {} (build it with `cargo build --workspace --bins`)",
+                    self.program.display()
+                )
+            })?;
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
                 return Ok(());
             }
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                bail!("{} exited with {status}; log:\n{}", self.program.display(), std::fs::read_to_string(&self.log).unwrap_or_default());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                bail!(
+                    "{} exited with {status}; log:\n{}",
+                    self.program.display(),
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        bail!("{} did not open {} within 10 s", self.program.display(), self.socket.display())
+        bail!(
+            "{} did not open {} within 10 s",
+            self.program.display(),
+            self.socket.display()
+        )
     }
 
     /// SIGKILL: a crash, with no chance to clean up.
@@ -123,7 +172,9 @@ impl Plugin {
 
     /// SIGTERM and wait: an orderly shutdown. Returns whether it exited successfully.
     pub fn terminate(&mut self) -> bool {
-        let Some(mut c) = self.child.take() else { return true };
+        let Some(mut c) = self.child.take() else {
+            return true;
+        };
         // SAFETY: kill(2) on our own child's pid.
         unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -171,12 +222,20 @@ impl Harness {
         let root = test_root().join(format!("{name}-{}-{}", std::process::id(), unique()));
         let kubelet = root.join("kubelet");
         let state = root.join("state");
-        for d in [&kubelet, &state, &kubelet.join("plugins/staging"), &kubelet.join("pods")] {
+        for d in [
+            &kubelet,
+            &state,
+            &kubelet.join("plugins/staging"),
+            &kubelet.join("pods"),
+        ] {
             std::fs::create_dir_all(d)?;
         }
         let bins = bin_dir();
         let mut c_args = vec![
-            format!("--endpoint=unix://{}", root.join("controller.sock").display()),
+            format!(
+                "--endpoint=unix://{}",
+                root.join("controller.sock").display()
+            ),
             format!("--node-id={NODE_ID}"),
             format!("--state-dir={}", state.display()),
             format!("--log-level={}", opts.log_level),
@@ -190,22 +249,50 @@ impl Harness {
             format!("--log-level={}", opts.log_level),
         ];
         n_args.extend(opts.node_extra_args);
-        let controller = Plugin::spawn(bins.join("csi-controller"), root.join("controller.sock"), root.join("controller.log"), c_args, vec![])?;
-        let node = Plugin::spawn(bins.join("csi-node"), root.join("node.sock"), root.join("node.log"), n_args, vec![])?;
-        Ok(Harness { root, kubelet, state, controller, node })
+        let controller = Plugin::spawn(
+            bins.join("csi-controller"),
+            root.join("controller.sock"),
+            root.join("controller.log"),
+            c_args,
+            vec![],
+        )?;
+        let node = Plugin::spawn(
+            bins.join("csi-node"),
+            root.join("node.sock"),
+            root.join("node.log"),
+            n_args,
+            vec![],
+        )?;
+        Ok(Harness {
+            root,
+            kubelet,
+            state,
+            controller,
+            node,
+        })
     }
 
     pub async fn controller(&self) -> Result<ControllerClient<Channel>> {
-        Ok(ControllerClient::new(csi_identity::server::connect(&self.controller.socket.display().to_string()).await?))
+        Ok(ControllerClient::new(
+            csi_identity::server::connect(&self.controller.socket.display().to_string()).await?,
+        ))
     }
 
     pub async fn node(&self) -> Result<NodeClient<Channel>> {
-        Ok(NodeClient::new(csi_identity::server::connect(&self.node.socket.display().to_string()).await?))
+        Ok(NodeClient::new(
+            csi_identity::server::connect(&self.node.socket.display().to_string()).await?,
+        ))
     }
 
     pub async fn identity(&self, node: bool) -> Result<IdentityClient<Channel>> {
-        let sock = if node { &self.node.socket } else { &self.controller.socket };
-        Ok(IdentityClient::new(csi_identity::server::connect(&sock.display().to_string()).await?))
+        let sock = if node {
+            &self.node.socket
+        } else {
+            &self.controller.socket
+        };
+        Ok(IdentityClient::new(
+            csi_identity::server::connect(&sock.display().to_string()).await?,
+        ))
     }
 
     /// A staging path as kubelet would choose it (kubelet creates the directory).
@@ -237,6 +324,9 @@ impl Drop for Harness {
     fn drop(&mut self) {
         self.controller.kill();
         self.node.kill();
+        // A plugin killed mid-copy may have left a filesystem frozen; a frozen filesystem
+        // cannot be unmounted for real and would pin its loop device.
+        let _ = cloud_backend::sys::copy::thaw_leftovers(&self.state.join("frozen"));
         for m in mounts_under(&self.root).into_iter().rev() {
             let c = std::ffi::CString::new(m).expect("no NUL");
             // SAFETY: umount2 with a NUL-terminated path; MNT_DETACH so a busy mount cannot block teardown.
@@ -260,7 +350,9 @@ fn unique() -> u64 {
 /// `(device, backing file)` for every loop device backed by a file under `dir`.
 pub fn loop_devices_under(dir: &Path) -> Vec<(String, String)> {
     let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir("/sys/block") else { return out };
+    let Ok(entries) = std::fs::read_dir("/sys/block") else {
+        return out;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         if !name.starts_with("loop") {
@@ -289,14 +381,22 @@ pub fn mounts_under(dir: &Path) -> Vec<String> {
 
 pub fn mount_capability(fs_type: &str) -> VolumeCapability {
     VolumeCapability {
-        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
-        access_type: Some(AccessType::Mount(MountVolume { fs_type: fs_type.into(), mount_flags: vec![], volume_mount_group: String::new() })),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs_type.into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        })),
     }
 }
 
 pub fn block_capability() -> VolumeCapability {
     VolumeCapability {
-        access_mode: Some(AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+        access_mode: Some(AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
         access_type: Some(AccessType::Block(BlockVolume {})),
     }
 }
@@ -304,13 +404,20 @@ pub fn block_capability() -> VolumeCapability {
 pub fn create_request(name: &str, bytes: i64, cap: VolumeCapability) -> CreateVolumeRequest {
     CreateVolumeRequest {
         name: name.into(),
-        capacity_range: Some(CapacityRange { required_bytes: bytes, limit_bytes: 0 }),
+        capacity_range: Some(CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
         volume_capabilities: vec![cap],
         ..Default::default()
     }
 }
 
-pub fn stage_request(volume_id: &str, staging: &Path, cap: VolumeCapability) -> NodeStageVolumeRequest {
+pub fn stage_request(
+    volume_id: &str,
+    staging: &Path,
+    cap: VolumeCapability,
+) -> NodeStageVolumeRequest {
     NodeStageVolumeRequest {
         volume_id: volume_id.into(),
         staging_target_path: staging.display().to_string(),
@@ -319,7 +426,13 @@ pub fn stage_request(volume_id: &str, staging: &Path, cap: VolumeCapability) -> 
     }
 }
 
-pub fn publish_request(volume_id: &str, staging: &Path, target: &Path, cap: VolumeCapability, readonly: bool) -> NodePublishVolumeRequest {
+pub fn publish_request(
+    volume_id: &str,
+    staging: &Path,
+    target: &Path,
+    cap: VolumeCapability,
+    readonly: bool,
+) -> NodePublishVolumeRequest {
     NodePublishVolumeRequest {
         volume_id: volume_id.into(),
         staging_target_path: staging.display().to_string(),
@@ -332,13 +445,25 @@ pub fn publish_request(volume_id: &str, staging: &Path, target: &Path, cap: Volu
 
 /// `df`'s view of a mounted filesystem's size in bytes, from the real `df` program.
 pub fn df_size(path: &Path) -> u64 {
-    let out = Command::new("df").args(["--output=size", "-B1"]).arg(path).output().expect("df");
-    String::from_utf8_lossy(&out.stdout).lines().nth(1).and_then(|l| l.trim().parse().ok()).expect("df output")
+    let out = Command::new("df")
+        .args(["--output=size", "-B1"])
+        .arg(path)
+        .output()
+        .expect("df");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .expect("df output")
 }
 
 /// The filesystem type blkid sees on a device or image, if any.
 pub fn blkid_type(dev: &Path) -> Option<String> {
-    let out = Command::new("blkid").args(["-p", "-s", "TYPE", "-o", "value"]).arg(dev).output().ok()?;
+    let out = Command::new("blkid")
+        .args(["-p", "-s", "TYPE", "-o", "value"])
+        .arg(dev)
+        .output()
+        .ok()?;
     let t = String::from_utf8_lossy(&out.stdout).trim().to_string();
     (!t.is_empty()).then_some(t)
 }
@@ -349,7 +474,14 @@ pub fn has_cap_sys_resource() -> bool {
     const CAP_SYS_RESOURCE: u32 = 24;
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("CapEff:").map(|v| u64::from_str_radix(v.trim(), 16).ok())).flatten())
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| {
+                    l.strip_prefix("CapEff:")
+                        .map(|v| u64::from_str_radix(v.trim(), 16).ok())
+                })
+                .flatten()
+        })
         .is_some_and(|caps| caps >> CAP_SYS_RESOURCE & 1 == 1)
 }
 
@@ -361,25 +493,32 @@ impl Rng {
     pub fn new(seed: u64) -> Self {
         Rng(seed.max(1))
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
 }
 
 /// Major and minor number of the device mounted at `path`, from mountinfo.
 pub fn mount_device(path: &Path) -> Option<(u32, u32)> {
-    cloud_backend::sys::mountinfo::read().ok()?.iter().rev().find(|m| m.mount_point == path).map(|m| (m.major, m.minor))
+    cloud_backend::sys::mountinfo::read()
+        .ok()?
+        .iter()
+        .rev()
+        .find(|m| m.mount_point == path)
+        .map(|m| (m.major, m.minor))
 }
 
 /// How many mounts sit exactly at `path`.
 pub fn mount_count(path: &Path) -> usize {
-    cloud_backend::sys::mountinfo::read().map(|v| v.iter().filter(|m| m.mount_point == path).count()).unwrap_or(0)
+    cloud_backend::sys::mountinfo::read()
+        .map(|v| v.iter().filter(|m| m.mount_point == path).count())
+        .unwrap_or(0)
 }
 
 /// Major and minor number of a device node.
@@ -391,7 +530,11 @@ pub fn dev_numbers(path: &Path) -> (u32, u32) {
 
 /// The filesystem UUID blkid reads from a device or image.
 pub fn blkid_uuid(dev: &Path) -> Option<String> {
-    let out = Command::new("blkid").args(["-p", "-s", "UUID", "-o", "value"]).arg(dev).output().ok()?;
+    let out = Command::new("blkid")
+        .args(["-p", "-s", "UUID", "-o", "value"])
+        .arg(dev)
+        .output()
+        .ok()?;
     let t = String::from_utf8_lossy(&out.stdout).trim().to_string();
     (!t.is_empty()).then_some(t)
 }
@@ -407,7 +550,15 @@ where
     loop {
         match call().await {
             Ok(r) => return Ok(r.into_inner()),
-            Err(s) if matches!(s.code(), tonic::Code::Aborted | tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled) && Instant::now() < deadline => {
+            Err(s)
+                if matches!(
+                    s.code(),
+                    tonic::Code::Aborted
+                        | tonic::Code::Unavailable
+                        | tonic::Code::DeadlineExceeded
+                        | tonic::Code::Cancelled
+                ) && Instant::now() < deadline =>
+            {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             Err(s) => bail!("{what}: {s:?}"),
@@ -424,8 +575,16 @@ impl Harness {
     /// The loop device backed by this volume's image, if exactly one; panics on more.
     pub fn loop_of(&self, volume_id: &str) -> Option<String> {
         let image = self.image(volume_id).display().to_string();
-        let devs: Vec<String> = self.loop_devices().into_iter().filter(|(_, b)| *b == image).map(|(d, _)| d).collect();
-        assert!(devs.len() <= 1, "volume {volume_id} is attached to several loop devices: {devs:?}");
+        let devs: Vec<String> = self
+            .loop_devices()
+            .into_iter()
+            .filter(|(_, b)| *b == image)
+            .map(|(d, _)| d)
+            .collect();
+        assert!(
+            devs.len() <= 1,
+            "volume {volume_id} is attached to several loop devices: {devs:?}"
+        );
         devs.into_iter().next()
     }
 }

@@ -7,7 +7,9 @@ use crate::{
 use std::os::unix::fs::MetadataExt;
 
 /// Runs blocking filesystem work off the async runtime.
-pub(super) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+pub(super) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::Internal(format!("blocking task failed: {e}")))?
@@ -75,18 +77,27 @@ impl LocalBackend {
         result
     }
 
-    fn populate_volume(&self, id: &str, dir: &Path, size: u64, req: &CreateVolume) -> Result<Volume> {
+    fn populate_volume(
+        &self,
+        id: &str,
+        dir: &Path,
+        size: u64,
+        req: &CreateVolume,
+    ) -> Result<Volume> {
         let tmp = dir.join("disk.img.tmp");
         match &req.content_source {
             None => {
-                let f = std::fs::File::create(&tmp).context(|| format!("creating {}", tmp.display()))?;
-                f.set_len(size).context(|| format!("sizing {}", tmp.display()))?;
-                f.sync_all().context(|| format!("syncing {}", tmp.display()))?;
+                let f = std::fs::File::create(&tmp)
+                    .context(|| format!("creating {}", tmp.display()))?;
+                f.set_len(size)
+                    .context(|| format!("sizing {}", tmp.display()))?;
+                f.sync_all()
+                    .context(|| format!("syncing {}", tmp.display()))?;
             }
             Some(ContentSource::Snapshot(snap)) => {
-                let meta = self
-                    .valid_snapshot(snap)?
-                    .ok_or_else(|| Error::NotFound(format!("source snapshot {snap} does not exist")))?;
+                let meta = self.valid_snapshot(snap)?.ok_or_else(|| {
+                    Error::NotFound(format!("source snapshot {snap} does not exist"))
+                })?;
                 if meta.size_bytes > size {
                     return Err(Error::OutOfRange(format!(
                         "snapshot {snap} holds {} bytes; the new volume ({size} bytes) must be at least that large",
@@ -96,9 +107,9 @@ impl LocalBackend {
                 copy::copy_image(&self.snapshot_dir(snap).join("data.img"), &tmp)?;
             }
             Some(ContentSource::Volume(src)) => {
-                let meta = self
-                    .valid_volume(src)?
-                    .ok_or_else(|| Error::NotFound(format!("source volume {src} does not exist")))?;
+                let meta = self.valid_volume(src)?.ok_or_else(|| {
+                    Error::NotFound(format!("source volume {src} does not exist"))
+                })?;
                 if meta.capacity_bytes > size {
                     return Err(Error::OutOfRange(format!(
                         "source volume {src} holds {} bytes; the clone ({size} bytes) must be at least that large",
@@ -109,11 +120,21 @@ impl LocalBackend {
                 self.consistent_copy(src, &tmp)?;
             }
         }
-        let file = std::fs::OpenOptions::new().write(true).open(&tmp).context(|| format!("opening {}", tmp.display()))?;
-        if file.metadata().context(|| format!("stat {}", tmp.display()))?.len() < size {
-            file.set_len(size).context(|| format!("growing {}", tmp.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&tmp)
+            .context(|| format!("opening {}", tmp.display()))?;
+        if file
+            .metadata()
+            .context(|| format!("stat {}", tmp.display()))?
+            .len()
+            < size
+        {
+            file.set_len(size)
+                .context(|| format!("growing {}", tmp.display()))?;
         }
-        file.sync_all().context(|| format!("syncing {}", tmp.display()))?;
+        file.sync_all()
+            .context(|| format!("syncing {}", tmp.display()))?;
         std::fs::rename(&tmp, self.image(id)).context(|| format!("renaming {}", tmp.display()))?;
         let meta = VolumeMeta {
             id: id.to_string(),
@@ -163,7 +184,9 @@ impl LocalBackend {
     }
 
     fn matches(&self, topology: &Topology) -> bool {
-        topology.iter().all(|(k, v)| *k == self.cfg.topology_key && *v == self.cfg.node_id)
+        topology
+            .iter()
+            .all(|(k, v)| *k == self.cfg.topology_key && *v == self.cfg.node_id)
     }
 
     fn valid_volume(&self, id: &str) -> Result<Option<VolumeMeta>> {
@@ -197,7 +220,11 @@ impl LocalBackend {
             return Ok(copy::CopyMethod::Reflink);
         }
         let mounts = mountinfo::read()?;
-        let Some(mount) = mountinfo::find_by_device(&mounts, device.major, device.minor).into_iter().next().cloned() else {
+        let Some(mount) = mountinfo::find_by_device(&mounts, device.major, device.minor)
+            .into_iter()
+            .next()
+            .cloned()
+        else {
             return Err(Error::FailedPrecondition(format!(
                 "volume {src} is in use as a raw block device ({}) and the state directory's filesystem cannot reflink; \
                  a copy now could be torn. Stop the workload, or keep the state directory on xfs or btrfs",
@@ -219,7 +246,9 @@ impl LocalBackend {
         let mut promised: u64 = 0;
         for (kind, file) in [("volumes", "disk.img"), ("snapshots", "data.img")] {
             let dir = self.cfg.state_dir.join(kind);
-            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
             for entry in entries.flatten() {
                 if let Ok(md) = std::fs::metadata(entry.path().join(file)) {
                     promised += md.len().saturating_sub(md.blocks() * 512);
@@ -242,7 +271,12 @@ impl LocalBackend {
         Ok(out)
     }
 
-    fn create_snapshot_sync(&self, name: String, source: String, parameters: BTreeMap<String, String>) -> Result<Snapshot> {
+    fn create_snapshot_sync(
+        &self,
+        name: String,
+        source: String,
+        parameters: BTreeMap<String, String>,
+    ) -> Result<Snapshot> {
         validate_parameters(&parameters, &[])?;
         let id = ids::derive(ids::SNAPSHOT_PREFIX, &name);
         if let Some(existing) = self.read_snapshot(&id)? {
@@ -270,7 +304,8 @@ impl LocalBackend {
         let tmp = dir.join("data.img.tmp");
         let _source_lock = self.locks.try_lock(&source)?;
         let method = self.consistent_copy(&source, &tmp)?;
-        std::fs::rename(&tmp, dir.join("data.img")).context(|| format!("renaming {}", tmp.display()))?;
+        std::fs::rename(&tmp, dir.join("data.img"))
+            .context(|| format!("renaming {}", tmp.display()))?;
         let meta = SnapshotMeta {
             id: id.clone(),
             name,
@@ -291,7 +326,8 @@ impl LocalBackend {
         if new_size <= meta.capacity_bytes {
             return Ok(meta.capacity_bytes);
         }
-        let size = round_up(new_size, MIB).ok_or_else(|| Error::OutOfRange(format!("{new_size} bytes is too large")))?;
+        let size = round_up(new_size, MIB)
+            .ok_or_else(|| Error::OutOfRange(format!("{new_size} bytes is too large")))?;
         let growth = size - meta.capacity_bytes;
         let available = self.available_bytes()?;
         if growth > available {
@@ -299,13 +335,23 @@ impl LocalBackend {
                 "not enough space to grow {id} by {growth} bytes: {available} available"
             )));
         }
-        let file = std::fs::OpenOptions::new().write(true).open(&image).context(|| format!("opening {}", image.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&image)
+            .context(|| format!("opening {}", image.display()))?;
         // Growing the file first and recording it second: a crash in between leaves a file
         // larger than its record, which the retried expand repairs.
-        if file.metadata().context(|| format!("stat {}", image.display()))?.len() < size {
-            file.set_len(size).context(|| format!("growing {}", image.display()))?;
+        if file
+            .metadata()
+            .context(|| format!("stat {}", image.display()))?
+            .len()
+            < size
+        {
+            file.set_len(size)
+                .context(|| format!("growing {}", image.display()))?;
         }
-        file.sync_all().context(|| format!("syncing {}", image.display()))?;
+        file.sync_all()
+            .context(|| format!("syncing {}", image.display()))?;
         meta.capacity_bytes = size;
         atomic::write_json(&self.volume_dir(id).join("meta.json"), &meta)?;
         Ok(size)
@@ -320,13 +366,13 @@ impl LocalBackend {
             return Ok(());
         }
         let image = self.image(id);
-        if let Ok(backing) = loopdev::BackingId::of(&image) {
-            if let Some(dev) = loopdev::find(backing)?.first() {
-                return Err(Error::FailedPrecondition(format!(
-                    "volume {id} is staged on this node ({}); unstage it before deleting",
-                    dev.path.display()
-                )));
-            }
+        if let Ok(backing) = loopdev::BackingId::of(&image)
+            && let Some(dev) = loopdev::find(backing)?.first()
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "volume {id} is staged on this node ({}); unstage it before deleting",
+                dev.path.display()
+            )));
         }
         // Uncommit first: a crash after this leaves a directory without meta.json, which
         // listings ignore and the next delete or start-up removes.
@@ -350,7 +396,11 @@ impl LocalBackend {
     fn volume_health(&self, meta: &VolumeMeta) -> Option<String> {
         match std::fs::metadata(self.image(&meta.id)) {
             Ok(md) if md.len() >= meta.capacity_bytes => None,
-            Ok(md) => Some(format!("image holds {} bytes, {} recorded", md.len(), meta.capacity_bytes)),
+            Ok(md) => Some(format!(
+                "image holds {} bytes, {} recorded",
+                md.len(),
+                meta.capacity_bytes
+            )),
             Err(e) => Some(format!("image unreadable: {e}")),
         }
     }
@@ -367,12 +417,20 @@ fn statvfs_free(path: &Path) -> Result<u64> {
     // SAFETY: statvfs writes into a zeroed struct we own; the path is NUL-terminated.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(Error::io(format!("statvfs {}", path.display()), std::io::Error::last_os_error()));
+        return Err(Error::io(
+            format!("statvfs {}", path.display()),
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
-fn page<T, F: Fn(&T) -> &str>(items: Vec<T>, start_after: Option<&str>, max: usize, id: F) -> Page<T> {
+fn page<T, F: Fn(&T) -> &str>(
+    items: Vec<T>,
+    start_after: Option<&str>,
+    max: usize,
+    id: F,
+) -> Page<T> {
     let mut entries: Vec<T> = items
         .into_iter()
         .filter(|t| start_after.is_none_or(|s| id(t) > s))
@@ -441,7 +499,11 @@ impl ControllerBackend for LocalBackend {
         .await
     }
 
-    async fn list_volumes(&self, start_after: Option<&str>, max_entries: usize) -> Result<Page<Volume>> {
+    async fn list_volumes(
+        &self,
+        start_after: Option<&str>,
+        max_entries: usize,
+    ) -> Result<Page<Volume>> {
         let (this, start) = (self.clone(), start_after.map(str::to_string));
         blocking(move || {
             let mut vols = Vec::new();
@@ -464,18 +526,36 @@ impl ControllerBackend for LocalBackend {
 
     async fn capacity(&self, topology: Option<&Topology>) -> Result<Capacity> {
         if topology.is_some_and(|t| !self.matches(t)) {
-            return Ok(Capacity { available_bytes: 0, maximum_volume_bytes: 0, minimum_volume_bytes: MIN_VOLUME_BYTES });
+            return Ok(Capacity {
+                available_bytes: 0,
+                maximum_volume_bytes: 0,
+                minimum_volume_bytes: MIN_VOLUME_BYTES,
+            });
         }
         let this = self.clone();
         blocking(move || {
             let available = this.available_bytes()? / MIB * MIB;
-            Ok(Capacity { available_bytes: available, maximum_volume_bytes: available, minimum_volume_bytes: MIN_VOLUME_BYTES })
+            Ok(Capacity {
+                available_bytes: available,
+                maximum_volume_bytes: available,
+                minimum_volume_bytes: MIN_VOLUME_BYTES,
+            })
         })
         .await
     }
 
-    async fn create_snapshot(&self, name: &str, source_volume_id: &str, parameters: &BTreeMap<String, String>) -> Result<Snapshot> {
-        let (this, name, source, params) = (self.clone(), name.to_string(), source_volume_id.to_string(), parameters.clone());
+    async fn create_snapshot(
+        &self,
+        name: &str,
+        source_volume_id: &str,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<Snapshot> {
+        let (this, name, source, params) = (
+            self.clone(),
+            name.to_string(),
+            source_volume_id.to_string(),
+            parameters.clone(),
+        );
         blocking(move || this.create_snapshot_sync(name, source, params)).await
     }
 
@@ -484,7 +564,12 @@ impl ControllerBackend for LocalBackend {
         blocking(move || this.delete_snapshot_sync(&id)).await
     }
 
-    async fn list_snapshots(&self, filter: SnapshotFilter, start_after: Option<&str>, max_entries: usize) -> Result<Page<Snapshot>> {
+    async fn list_snapshots(
+        &self,
+        filter: SnapshotFilter,
+        start_after: Option<&str>,
+        max_entries: usize,
+    ) -> Result<Page<Snapshot>> {
         let (this, start) = (self.clone(), start_after.map(str::to_string));
         blocking(move || {
             let candidates = match &filter.snapshot_id {
@@ -494,10 +579,13 @@ impl ControllerBackend for LocalBackend {
             };
             let mut snaps = Vec::new();
             for id in candidates {
-                if let Some(meta) = this.read_snapshot(&id)? {
-                    if filter.source_volume_id.as_ref().is_none_or(|v| *v == meta.source_volume_id) {
-                        snaps.push(meta.to_snapshot());
-                    }
+                if let Some(meta) = this.read_snapshot(&id)?
+                    && filter
+                        .source_volume_id
+                        .as_ref()
+                        .is_none_or(|v| *v == meta.source_volume_id)
+                {
+                    snaps.push(meta.to_snapshot());
                 }
             }
             Ok(page(snaps, start.as_deref(), max_entries, |s| &s.id))
@@ -505,11 +593,21 @@ impl ControllerBackend for LocalBackend {
         .await
     }
 
-    async fn publish(&self, _volume_id: &str, _node_id: &str, _read_only: bool) -> Result<BTreeMap<String, String>> {
-        Err(Error::Unsupported("the local backend has no attach step: volumes are files on the node that created them".into()))
+    async fn publish(
+        &self,
+        _volume_id: &str,
+        _node_id: &str,
+        _read_only: bool,
+    ) -> Result<BTreeMap<String, String>> {
+        Err(Error::Unsupported(
+            "the local backend has no attach step: volumes are files on the node that created them"
+                .into(),
+        ))
     }
 
     async fn unpublish(&self, _volume_id: &str, _node_id: Option<&str>) -> Result<()> {
-        Err(Error::Unsupported("the local backend has no attach step".into()))
+        Err(Error::Unsupported(
+            "the local backend has no attach step".into(),
+        ))
     }
 }

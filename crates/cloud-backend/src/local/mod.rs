@@ -108,7 +108,9 @@ impl LocalBackend {
         crate::sys::copy::thaw_leftovers(&self.cfg.state_dir.join("frozen"))?;
         for kind in ["volumes", "snapshots"] {
             let dir = self.cfg.state_dir.join(kind);
-            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
             for entry in entries.flatten() {
                 let id = entry.file_name().to_string_lossy().into_owned();
                 let valid = crate::ids::is_valid(crate::ids::VOLUME_PREFIX, &id)
@@ -171,9 +173,17 @@ pub fn choose_size(required: u64, limit: u64, fs_type: Option<&str>) -> Result<u
             "capacity range is impossible: required_bytes {required} exceeds limit_bytes {limit}"
         )));
     }
-    let minimum = if fs_type == Some("xfs") { MIN_XFS_BYTES } else { MIN_VOLUME_BYTES };
+    let minimum = if fs_type == Some("xfs") {
+        MIN_XFS_BYTES
+    } else {
+        MIN_VOLUME_BYTES
+    };
     let wanted = if required == 0 {
-        if limit > 0 { DEFAULT_VOLUME_BYTES.min(limit / MIB * MIB) } else { DEFAULT_VOLUME_BYTES }
+        if limit > 0 {
+            DEFAULT_VOLUME_BYTES.min(limit / MIB * MIB)
+        } else {
+            DEFAULT_VOLUME_BYTES
+        }
     } else {
         required
     };
@@ -183,7 +193,10 @@ pub fn choose_size(required: u64, limit: u64, fs_type: Option<&str>) -> Result<u
         let why = if fs_type == Some("xfs") {
             format!("xfs needs at least {} MiB", MIN_XFS_BYTES / MIB)
         } else {
-            format!("volumes are whole MiB and at least {} MiB", MIN_VOLUME_BYTES / MIB)
+            format!(
+                "volumes are whole MiB and at least {} MiB",
+                MIN_VOLUME_BYTES / MIB
+            )
         };
         return Err(Error::OutOfRange(format!(
             "cannot provide a volume within limit_bytes {limit}: {why}"
@@ -202,7 +215,11 @@ pub fn validate_parameters(parameters: &BTreeMap<String, String>, allowed: &[&st
     if unknown.is_empty() {
         return Ok(());
     }
-    let accepted = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
+    let accepted = if allowed.is_empty() {
+        "none".to_string()
+    } else {
+        allowed.join(", ")
+    };
     Err(Error::InvalidArgument(format!(
         "unknown parameter(s) {unknown:?}; this backend accepts: {accepted} (keys under {RESERVED_PARAMETER_PREFIX} are accepted and ignored)"
     )))
@@ -223,11 +240,26 @@ mod tests {
         assert_eq!(choose_size(64 * MIB + 1, 0, None).unwrap(), 65 * MIB);
         assert_eq!(choose_size(64 * MIB, 64 * MIB, None).unwrap(), 64 * MIB);
         assert_eq!(choose_size(0, 100 * MIB, None).unwrap(), 100 * MIB);
-        assert_eq!(choose_size(100 * MIB, 0, Some("xfs")).unwrap(), MIN_XFS_BYTES);
-        assert!(matches!(choose_size(100 * MIB, 200 * MIB, Some("xfs")), Err(Error::OutOfRange(_))));
-        assert!(matches!(choose_size(2 * MIB, MIB, None), Err(Error::InvalidArgument(_))));
-        assert!(matches!(choose_size(MIB, 2 * MIB, None), Err(Error::OutOfRange(_))));
-        assert!(matches!(choose_size(u64::MAX, 0, None), Err(Error::OutOfRange(_))));
+        assert_eq!(
+            choose_size(100 * MIB, 0, Some("xfs")).unwrap(),
+            MIN_XFS_BYTES
+        );
+        assert!(matches!(
+            choose_size(100 * MIB, 200 * MIB, Some("xfs")),
+            Err(Error::OutOfRange(_))
+        ));
+        assert!(matches!(
+            choose_size(2 * MIB, MIB, None),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            choose_size(MIB, 2 * MIB, None),
+            Err(Error::OutOfRange(_))
+        ));
+        assert!(matches!(
+            choose_size(u64::MAX, 0, None),
+            Err(Error::OutOfRange(_))
+        ));
     }
 
     #[test]

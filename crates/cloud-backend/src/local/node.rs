@@ -16,7 +16,10 @@ struct AttachRecord {
 
 impl LocalBackend {
     fn record_path(&self, id: &str) -> PathBuf {
-        self.cfg.state_dir.join("node/attached").join(format!("{id}.json"))
+        self.cfg
+            .state_dir
+            .join("node/attached")
+            .join(format!("{id}.json"))
     }
 
     fn attach_sync(&self, id: &str) -> Result<AttachedDevice> {
@@ -36,31 +39,58 @@ impl LocalBackend {
                 return Err(Error::Internal(format!(
                     "volume {id} is attached to {} loop devices ({}); refusing to guess which one holds its data",
                     many.len(),
-                    many.iter().map(|d| d.path.display().to_string()).collect::<Vec<_>>().join(", ")
+                    many.iter()
+                        .map(|d| d.path.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )));
             }
         };
         atomic::write_json(
             &self.record_path(id),
-            &AttachRecord { device: device.path.clone(), backing_dev: backing.dev, backing_ino: backing.ino },
+            &AttachRecord {
+                device: device.path.clone(),
+                backing_dev: backing.dev,
+                backing_ino: backing.ino,
+            },
         )?;
         let size_bytes = loopdev::device_size(&device.path)?;
-        Ok(AttachedDevice { path: device.path, identity: meta.uid, size_bytes })
+        Ok(AttachedDevice {
+            path: device.path,
+            identity: meta.uid,
+            size_bytes,
+        })
     }
 
     fn find_sync(&self, id: &str) -> Result<Option<AttachedDevice>> {
-        let Some(meta) = self.read_volume(id)? else { return Ok(None) };
-        let Ok(backing) = loopdev::BackingId::of(&self.image(id)) else { return Ok(None) };
-        let Some(device) = loopdev::find(backing)?.into_iter().next() else { return Ok(None) };
+        let Some(meta) = self.read_volume(id)? else {
+            return Ok(None);
+        };
+        let Ok(backing) = loopdev::BackingId::of(&self.image(id)) else {
+            return Ok(None);
+        };
+        let Some(device) = loopdev::find(backing)?.into_iter().next() else {
+            return Ok(None);
+        };
         let size_bytes = loopdev::device_size(&device.path)?;
-        Ok(Some(AttachedDevice { path: device.path, identity: meta.uid, size_bytes }))
+        Ok(Some(AttachedDevice {
+            path: device.path,
+            identity: meta.uid,
+            size_bytes,
+        }))
     }
 
     fn detach_sync(&self, id: &str) -> Result<()> {
         let record_path = self.record_path(id);
         let mut targets: Vec<(PathBuf, loopdev::BackingId)> = Vec::new();
         if let Some(rec) = atomic::read_json::<AttachRecord>(&record_path)? {
-            targets.push((rec.device, loopdev::BackingId { dev: rec.backing_dev, ino: rec.backing_ino }));
+            targets.push((
+                rec.device,
+                loopdev::BackingId {
+                    dev: rec.backing_dev,
+                    ino: rec.backing_ino,
+                },
+            ));
         }
         // Without a record (crash between attach and record), find it from the kernel's side.
         if let Ok(backing) = loopdev::BackingId::of(&self.image(id)) {
@@ -83,7 +113,11 @@ impl NodeBackend for LocalBackend {
         ids::is_valid(ids::VOLUME_PREFIX, id)
     }
 
-    async fn attach(&self, volume_id: &str, _publish_context: &BTreeMap<String, String>) -> Result<AttachedDevice> {
+    async fn attach(
+        &self,
+        volume_id: &str,
+        _publish_context: &BTreeMap<String, String>,
+    ) -> Result<AttachedDevice> {
         // The local backend ignores any device named in the publish context: the only device
         // it will use is the loop device whose backing file is this volume's image.
         let (this, id) = (self.clone(), volume_id.to_string());
@@ -103,9 +137,9 @@ impl NodeBackend for LocalBackend {
     async fn refresh_capacity(&self, volume_id: &str) -> Result<u64> {
         let (this, id) = (self.clone(), volume_id.to_string());
         blocking(move || {
-            let dev = this
-                .find_sync(&id)?
-                .ok_or_else(|| Error::FailedPrecondition(format!("volume {id} is not staged on this node")))?;
+            let dev = this.find_sync(&id)?.ok_or_else(|| {
+                Error::FailedPrecondition(format!("volume {id} is not staged on this node"))
+            })?;
             loopdev::refresh_capacity(&dev.path)
         })
         .await

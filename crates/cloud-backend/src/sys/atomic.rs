@@ -33,9 +33,9 @@ pub fn write_json<T: serde::Serialize>(path: &Path, value: &T) -> Result<()> {
 /// Reads a JSON document written by [`write_json`]; `Ok(None)` when it does not exist.
 pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>> {
     match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
-            crate::Error::Internal(format!("{} is corrupt: {e}", path.display()))
-        }),
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| crate::Error::Internal(format!("{} is corrupt: {e}", path.display()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(crate::Error::io(format!("reading {}", path.display()), e)),
     }

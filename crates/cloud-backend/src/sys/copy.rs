@@ -23,7 +23,8 @@ pub fn try_reflink(src: &Path, dst: &Path) -> Result<bool> {
     // SAFETY: FICLONE takes the source descriptor as its argument.
     let rc = unsafe { libc::ioctl(to.as_raw_fd(), FICLONE, from.as_raw_fd()) };
     if rc == 0 {
-        to.sync_all().context(|| format!("syncing {}", dst.display()))?;
+        to.sync_all()
+            .context(|| format!("syncing {}", dst.display()))?;
         return Ok(true);
     }
     let err = std::io::Error::last_os_error();
@@ -33,7 +34,10 @@ pub fn try_reflink(src: &Path, dst: &Path) -> Result<bool> {
             let _ = std::fs::remove_file(dst);
             Ok(false)
         }
-        _ => Err(Error::io(format!("reflinking {} to {}", src.display(), dst.display()), err)),
+        _ => Err(Error::io(
+            format!("reflinking {} to {}", src.display(), dst.display()),
+            err,
+        )),
     }
 }
 
@@ -51,9 +55,13 @@ fn create(dst: &Path) -> Result<File> {
 /// Copies `src` to a new `dst`, keeping holes, and fsyncs the result.
 pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
     let from = File::open(src).context(|| format!("opening {}", src.display()))?;
-    let len = from.metadata().context(|| format!("stat {}", src.display()))?.len();
+    let len = from
+        .metadata()
+        .context(|| format!("stat {}", src.display()))?
+        .len();
     let to = create(dst)?;
-    to.set_len(len).context(|| format!("sizing {}", dst.display()))?;
+    to.set_len(len)
+        .context(|| format!("sizing {}", dst.display()))?;
     let (fi, fo) = (from.as_raw_fd(), to.as_raw_fd());
     let mut pos: i64 = 0;
     let end = len as i64;
@@ -70,7 +78,10 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(fi, data, libc::SEEK_HOLE) };
         if hole < 0 {
-            return Err(Error::io(format!("seeking hole in {}", src.display()), std::io::Error::last_os_error()));
+            return Err(Error::io(
+                format!("seeking hole in {}", src.display()),
+                std::io::Error::last_os_error(),
+            ));
         }
         let mut off_in = data;
         let mut off_out = data;
@@ -79,15 +90,22 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
             // SAFETY: copy_file_range with explicit offsets on descriptors we own.
             let n = unsafe { libc::copy_file_range(fi, &mut off_in, fo, &mut off_out, want, 0) };
             if n < 0 {
-                return Err(Error::io(format!("copying {} to {}", src.display(), dst.display()), std::io::Error::last_os_error()));
+                return Err(Error::io(
+                    format!("copying {} to {}", src.display(), dst.display()),
+                    std::io::Error::last_os_error(),
+                ));
             }
             if n == 0 {
-                return Err(Error::Internal(format!("{} shrank while it was being copied", src.display())));
+                return Err(Error::Internal(format!(
+                    "{} shrank while it was being copied",
+                    src.display()
+                )));
             }
         }
         pos = hole;
     }
-    to.sync_all().context(|| format!("syncing {}", dst.display()))
+    to.sync_all()
+        .context(|| format!("syncing {}", dst.display()))
 }
 
 /// Reflink if possible, else a sparse copy.
@@ -114,15 +132,23 @@ pub struct Freeze {
 impl Freeze {
     pub fn new(mount_point: &Path, marker: PathBuf) -> Result<Self> {
         super::atomic::write(&marker, mount_point.as_os_str().as_encoded_bytes())?;
-        let dir = File::open(mount_point).context(|| format!("opening {}", mount_point.display()))?;
+        let dir =
+            File::open(mount_point).context(|| format!("opening {}", mount_point.display()))?;
         // SAFETY: FIFREEZE takes no meaningful argument.
         let rc = unsafe { libc::ioctl(dir.as_raw_fd(), FIFREEZE, 0) };
         if rc < 0 {
             let err = std::io::Error::last_os_error();
             let _ = std::fs::remove_file(&marker);
-            return Err(Error::io(format!("freezing {}", mount_point.display()), err));
+            return Err(Error::io(
+                format!("freezing {}", mount_point.display()),
+                err,
+            ));
         }
-        Ok(Freeze { dir, mount_point: mount_point.to_path_buf(), marker })
+        Ok(Freeze {
+            dir,
+            mount_point: mount_point.to_path_buf(),
+            marker,
+        })
     }
 }
 
@@ -142,10 +168,14 @@ impl Drop for Freeze {
 /// copying) and removes the markers. A filesystem that is not frozen answers EINVAL: fine.
 pub fn thaw_leftovers(dir: &Path) -> Result<usize> {
     let mut thawed = 0;
-    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(0) };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(0);
+    };
     for entry in entries.flatten() {
         let marker = entry.path();
-        let Ok(target) = std::fs::read(&marker) else { continue };
+        let Ok(target) = std::fs::read(&marker) else {
+            continue;
+        };
         let mount_point = PathBuf::from(String::from_utf8_lossy(&target).into_owned());
         if let Ok(d) = File::open(&mount_point) {
             // SAFETY: as in Drop.
@@ -182,7 +212,10 @@ mod tests {
         sparse_copy(&src, &dst).unwrap();
         assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&dst).unwrap());
         let allocated = std::fs::metadata(&dst).unwrap().blocks() * 512;
-        assert!(allocated < 1 << 20, "copy allocated {allocated} bytes: holes were filled");
+        assert!(
+            allocated < 1 << 20,
+            "copy allocated {allocated} bytes: holes were filled"
+        );
     }
 
     #[test]

@@ -32,7 +32,8 @@ pub struct LockGuard {
 impl Locks {
     pub fn new(dir: impl Into<PathBuf>) -> Result<Self> {
         let dir = dir.into();
-        std::fs::create_dir_all(&dir).context(|| format!("creating lock directory {}", dir.display()))?;
+        std::fs::create_dir_all(&dir)
+            .context(|| format!("creating lock directory {}", dir.display()))?;
         Ok(Locks { dir })
     }
 
@@ -68,10 +69,16 @@ impl Locks {
             }
             // The previous holder may have unlinked the file between our open and our flock;
             // then we hold a lock nobody else can see. Start again on the current file.
-            let held = file.metadata().context(|| format!("stat {}", path.display()))?;
+            let held = file
+                .metadata()
+                .context(|| format!("stat {}", path.display()))?;
             match std::fs::metadata(&path) {
                 Ok(now) if now.ino() == held.ino() && now.dev() == held.dev() => {
-                    return Ok(LockGuard { file, path, remove: false });
+                    return Ok(LockGuard {
+                        file,
+                        path,
+                        remove: false,
+                    });
                 }
                 Ok(_) => continue,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,

@@ -58,7 +58,10 @@ pub struct BackingId {
 impl BackingId {
     pub fn of(path: &Path) -> Result<Self> {
         let md = std::fs::metadata(path).context(|| format!("stat {}", path.display()))?;
-        Ok(BackingId { dev: md.dev(), ino: md.ino() })
+        Ok(BackingId {
+            dev: md.dev(),
+            ino: md.ino(),
+        })
     }
 }
 
@@ -74,7 +77,13 @@ pub struct LoopDevice {
 fn status(dev: &File) -> std::io::Result<LoopInfo64> {
     let mut info = LoopInfo64::zeroed();
     // SAFETY: LOOP_GET_STATUS64 fills a loop_info64 we own.
-    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_GET_STATUS64, &mut info as *mut LoopInfo64) };
+    let rc = unsafe {
+        libc::ioctl(
+            dev.as_raw_fd(),
+            LOOP_GET_STATUS64,
+            &mut info as *mut LoopInfo64,
+        )
+    };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -100,7 +109,10 @@ fn list_in(sys_block: &Path, dev_dir: &Path) -> Result<Vec<LoopDevice>> {
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(number) = name.strip_prefix("loop").and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(number) = name
+            .strip_prefix("loop")
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
             continue;
         };
         // The `loop/` subdirectory exists only while a file is attached.
@@ -108,15 +120,22 @@ fn list_in(sys_block: &Path, dev_dir: &Path) -> Result<Vec<LoopDevice>> {
             continue;
         }
         let path = dev_dir.join(&name);
-        let Ok(file) = File::open(&path) else { continue };
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
         let Ok(info) = status(&file) else { continue }; // detached meanwhile: ENXIO
-        let Ok((major, minor)) = dev_numbers(&path) else { continue };
+        let Ok((major, minor)) = dev_numbers(&path) else {
+            continue;
+        };
         out.push(LoopDevice {
             number,
             path,
             major,
             minor,
-            backing: BackingId { dev: info.lo_device, ino: info.lo_inode },
+            backing: BackingId {
+                dev: info.lo_device,
+                ino: info.lo_inode,
+            },
         });
     }
     out.sort_by_key(|d| d.number);
@@ -126,7 +145,10 @@ fn list_in(sys_block: &Path, dev_dir: &Path) -> Result<Vec<LoopDevice>> {
 /// Every loop device attached to the file `backing`. More than one means someone else
 /// attached it too; callers treat that as an error rather than guess.
 pub fn find(backing: BackingId) -> Result<Vec<LoopDevice>> {
-    Ok(list()?.into_iter().filter(|d| d.backing == backing).collect())
+    Ok(list()?
+        .into_iter()
+        .filter(|d| d.backing == backing)
+        .collect())
 }
 
 /// Attaches `file` to a free loop device and returns it. The caller must hold the volume's lock
@@ -138,7 +160,9 @@ pub fn attach(file: &Path, read_only: bool) -> Result<LoopDevice> {
         .custom_flags(libc::O_CLOEXEC)
         .open(file)
         .context(|| format!("opening backing file {}", file.display()))?;
-    let md = backing.metadata().context(|| format!("stat {}", file.display()))?;
+    let md = backing
+        .metadata()
+        .context(|| format!("stat {}", file.display()))?;
     let control = OpenOptions::new()
         .read(true)
         .write(true)
@@ -158,10 +182,18 @@ pub fn attach(file: &Path, read_only: bool) -> Result<LoopDevice> {
         // SAFETY: LOOP_CTL_GET_FREE takes no argument and returns a device number.
         let number = unsafe { libc::ioctl(control.as_raw_fd(), LOOP_CTL_GET_FREE) };
         if number < 0 {
-            return Err(Error::io("finding a free loop device", std::io::Error::last_os_error()));
+            return Err(Error::io(
+                "finding a free loop device",
+                std::io::Error::last_os_error(),
+            ));
         }
         let path = PathBuf::from(format!("/dev/loop{number}"));
-        let dev = match OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(&path) {
+        let dev = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+        {
             Ok(d) => d,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(Error::Unavailable(format!(
@@ -178,7 +210,13 @@ pub fn attach(file: &Path, read_only: bool) -> Result<LoopDevice> {
             reserved: [0; 8],
         };
         // SAFETY: LOOP_CONFIGURE reads a loop_config we own for the duration of the call.
-        let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CONFIGURE, &config as *const LoopConfig) };
+        let rc = unsafe {
+            libc::ioctl(
+                dev.as_raw_fd(),
+                LOOP_CONFIGURE,
+                &config as *const LoopConfig,
+            )
+        };
         if rc == 0 {
             // The block layer's read-only flag (BLKROSET) outlives a detach: a device number
             // reused from a read-only raw publish would refuse every write. Reset it.
@@ -190,7 +228,10 @@ pub fn attach(file: &Path, read_only: bool) -> Result<LoopDevice> {
                 path,
                 major,
                 minor,
-                backing: BackingId { dev: md.dev(), ino: md.ino() },
+                backing: BackingId {
+                    dev: md.dev(),
+                    ino: md.ino(),
+                },
             });
         }
         let err = std::io::Error::last_os_error();
@@ -206,13 +247,23 @@ pub fn attach(file: &Path, read_only: bool) -> Result<LoopDevice> {
                     path,
                     major,
                     minor,
-                    backing: BackingId { dev: md.dev(), ino: md.ino() },
+                    backing: BackingId {
+                        dev: md.dev(),
+                        ino: md.ino(),
+                    },
                 });
             }
-            _ => return Err(Error::io(format!("attaching {} to {}", file.display(), path.display()), err)),
+            _ => {
+                return Err(Error::io(
+                    format!("attaching {} to {}", file.display(), path.display()),
+                    err,
+                ));
+            }
         }
     }
-    Err(Error::Busy("every free loop device was taken concurrently; retry".into()))
+    Err(Error::Busy(
+        "every free loop device was taken concurrently; retry".into(),
+    ))
 }
 
 fn legacy_configure(dev: &File, backing: &File, info: &LoopInfo64) -> std::io::Result<()> {
@@ -221,7 +272,12 @@ fn legacy_configure(dev: &File, backing: &File, info: &LoopInfo64) -> std::io::R
         if libc::ioctl(dev.as_raw_fd(), LOOP_SET_FD, backing.as_raw_fd()) < 0 {
             return Err(std::io::Error::last_os_error());
         }
-        if libc::ioctl(dev.as_raw_fd(), LOOP_SET_STATUS64, info as *const LoopInfo64) < 0 {
+        if libc::ioctl(
+            dev.as_raw_fd(),
+            LOOP_SET_STATUS64,
+            info as *const LoopInfo64,
+        ) < 0
+        {
             let err = std::io::Error::last_os_error();
             libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD, 0);
             return Err(err);
@@ -239,10 +295,19 @@ pub fn detach(device: &Path, expected: BackingId) -> Result<()> {
         Err(e) => return Err(Error::io(format!("opening {}", device.display()), e)),
     };
     match status(&dev) {
-        Ok(info) if (BackingId { dev: info.lo_device, ino: info.lo_inode }) == expected => {}
+        Ok(info)
+            if (BackingId {
+                dev: info.lo_device,
+                ino: info.lo_inode,
+            }) == expected => {}
         Ok(_) => return Ok(()), // reused for another file: ours is already gone
         Err(e) if e.raw_os_error() == Some(libc::ENXIO) => return Ok(()),
-        Err(e) => return Err(Error::io(format!("reading status of {}", device.display()), e)),
+        Err(e) => {
+            return Err(Error::io(
+                format!("reading status of {}", device.display()),
+                e,
+            ));
+        }
     }
     // SAFETY: LOOP_CLR_FD takes no argument.
     let rc = unsafe { libc::ioctl(dev.as_raw_fd(), LOOP_CLR_FD, 0) };
@@ -258,7 +323,11 @@ pub fn detach(device: &Path, expected: BackingId) -> Result<()> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     loop {
         match File::open(device).and_then(|d| status(&d)) {
-            Ok(info) if (BackingId { dev: info.lo_device, ino: info.lo_inode }) == expected => {}
+            Ok(info)
+                if (BackingId {
+                    dev: info.lo_device,
+                    ino: info.lo_inode,
+                }) == expected => {}
             _ => return Ok(()),
         }
         if std::time::Instant::now() > deadline {

@@ -73,7 +73,9 @@ pub fn unescape(field: &str) -> String {
     while i < bytes.len() {
         if bytes[i] == b'\\'
             && i + 3 < bytes.len()
-            && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
         {
             let v = (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
             out.push(v);
@@ -84,7 +86,9 @@ pub fn unescape(field: &str) -> String {
         }
     }
     use std::os::unix::ffi::OsStringExt;
-    std::ffi::OsString::from_vec(out).to_string_lossy().into_owned()
+    std::ffi::OsString::from_vec(out)
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// The mount whose mount point is exactly `path` (the last one, if stacked).
@@ -94,7 +98,10 @@ pub fn find_by_mount_point<'a>(mounts: &'a [MountEntry], path: &Path) -> Option<
 
 /// Every mount of the block device `major:minor`.
 pub fn find_by_device(mounts: &[MountEntry], major: u32, minor: u32) -> Vec<&MountEntry> {
-    mounts.iter().filter(|m| m.major == major && m.minor == minor).collect()
+    mounts
+        .iter()
+        .filter(|m| m.major == major && m.minor == minor)
+        .collect()
 }
 
 #[cfg(test)]
@@ -112,13 +119,19 @@ mod tests {
     fn parses_fields_and_decodes_octal_escapes() {
         let m = parse(SAMPLE);
         assert_eq!(m.len(), 4);
-        assert_eq!(m[1].mount_point, Path::new("/var/lib/kubelet/plugins/x/staging dir"));
+        assert_eq!(
+            m[1].mount_point,
+            Path::new("/var/lib/kubelet/plugins/x/staging dir")
+        );
         assert_eq!((m[1].major, m[1].minor), (7, 3));
         assert_eq!(m[1].fs_type, "xfs");
         assert_eq!(m[1].source, "/dev/loop3");
         assert!(m[2].is_read_only());
         assert!(!m[1].is_read_only());
-        assert_eq!(m[3].mount_point, Path::new("/var/lib/kubelet/pods/p/block\\x"));
+        assert_eq!(
+            m[3].mount_point,
+            Path::new("/var/lib/kubelet/pods/p/block\\x")
+        );
         assert_eq!(m[3].root, Path::new("/loop3"));
     }
 

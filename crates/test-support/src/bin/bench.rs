@@ -4,6 +4,8 @@
 //!
 //! Usage: ferrovol-bench [--lifecycles N] [--size-mib M] [--fs ext4|xfs]
 
+#![allow(clippy::unwrap_used)] // test and tool code: a panic with a line number is the report
+
 use anyhow::{Context, Result, bail};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -28,7 +30,10 @@ fn rss_kib(pid: u32, field: &str) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     status
         .lines()
-        .find_map(|l| l.strip_prefix(field).map(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>()))
+        .find_map(|l| {
+            l.strip_prefix(field)
+                .map(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>())
+        })
         .context("no such field")?
         .context("parse")
 }
@@ -47,7 +52,10 @@ async fn main() -> Result<()> {
     require_private_mount_namespace();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let get = |flag: &str, default: &str| -> String {
-        args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1).cloned()).unwrap_or_else(|| default.to_string())
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1).cloned())
+            .unwrap_or_else(|| default.to_string())
     };
     let n: usize = get("--lifecycles", "50").parse()?;
     let size: i64 = get("--size-mib", "1024").parse::<i64>()? * MIB;
@@ -56,14 +64,21 @@ async fn main() -> Result<()> {
         bail!("--lifecycles must be at least 1");
     }
 
-    let h = Harness::start_with("bench", Options { log_level: "warn".into(), ..Default::default() })?;
+    let h = Harness::start_with(
+        "bench",
+        Options {
+            log_level: "warn".into(),
+            ..Default::default()
+        },
+    )?;
     let (cpid, npid) = (h.controller.pid().unwrap(), h.node.pid().unwrap());
     let mut ctrl = h.controller().await?;
     let mut node = h.node().await?;
     let mut ident = h.identity(true).await?;
     // Idle: after start-up and one trivial call on each, before any volume work.
     ident.probe(ProbeRequest {}).await?;
-    ctrl.controller_get_capabilities(ControllerGetCapabilitiesRequest {}).await?;
+    ctrl.controller_get_capabilities(ControllerGetCapabilitiesRequest {})
+        .await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let idle = (rss_kib(cpid, "VmRSS:")?, rss_kib(npid, "VmRSS:")?);
 
@@ -73,38 +88,98 @@ async fn main() -> Result<()> {
     for i in 0..n {
         let t0 = Instant::now();
         let name = format!("bench-{i}");
-        let id = timed!(s, "CreateVolume", ctrl.create_volume(create_request(&name, size, cap.clone())).await?)
-            .into_inner()
-            .volume
-            .unwrap()
-            .volume_id;
+        let id = timed!(
+            s,
+            "CreateVolume",
+            ctrl.create_volume(create_request(&name, size, cap.clone()))
+                .await?
+        )
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
         let staging = h.staging_path(&name);
         let target = h.target_path(&name);
-        timed!(s, "NodeStageVolume (blank, mkfs)", node.node_stage_volume(stage_request(&id, &staging, cap.clone())).await?);
-        timed!(s, "NodePublishVolume", node.node_publish_volume(publish_request(&id, &staging, &target, cap.clone(), false)).await?);
+        timed!(
+            s,
+            "NodeStageVolume (blank, mkfs)",
+            node.node_stage_volume(stage_request(&id, &staging, cap.clone()))
+                .await?
+        );
+        timed!(
+            s,
+            "NodePublishVolume",
+            node.node_publish_volume(publish_request(&id, &staging, &target, cap.clone(), false))
+                .await?
+        );
         timed!(
             s,
             "NodeGetVolumeStats",
-            node.node_get_volume_stats(NodeGetVolumeStatsRequest { volume_id: id.clone(), volume_path: target.display().to_string(), ..Default::default() }).await?
+            node.node_get_volume_stats(NodeGetVolumeStatsRequest {
+                volume_id: id.clone(),
+                volume_path: target.display().to_string(),
+                ..Default::default()
+            })
+            .await?
         );
         timed!(
             s,
             "CreateSnapshot (published)",
-            ctrl.create_snapshot(CreateSnapshotRequest { source_volume_id: id.clone(), name: format!("snap-{name}"), ..Default::default() }).await?
+            ctrl.create_snapshot(CreateSnapshotRequest {
+                source_volume_id: id.clone(),
+                name: format!("snap-{name}"),
+                ..Default::default()
+            })
+            .await?
         );
-        let snap_id = ctrl.list_snapshots(ListSnapshotsRequest { source_volume_id: id.clone(), ..Default::default() }).await?.into_inner().entries[0]
+        let snap_id = ctrl
+            .list_snapshots(ListSnapshotsRequest {
+                source_volume_id: id.clone(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .entries[0]
             .snapshot
             .clone()
             .unwrap()
             .snapshot_id;
-        timed!(s, "DeleteSnapshot", ctrl.delete_snapshot(DeleteSnapshotRequest { snapshot_id: snap_id, ..Default::default() }).await?);
-        timed!(s, "NodeUnpublishVolume", node.node_unpublish_volume(NodeUnpublishVolumeRequest { volume_id: id.clone(), target_path: target.display().to_string() }).await?);
+        timed!(
+            s,
+            "DeleteSnapshot",
+            ctrl.delete_snapshot(DeleteSnapshotRequest {
+                snapshot_id: snap_id,
+                ..Default::default()
+            })
+            .await?
+        );
+        timed!(
+            s,
+            "NodeUnpublishVolume",
+            node.node_unpublish_volume(NodeUnpublishVolumeRequest {
+                volume_id: id.clone(),
+                target_path: target.display().to_string()
+            })
+            .await?
+        );
         timed!(
             s,
             "NodeUnstageVolume",
-            node.node_unstage_volume(NodeUnstageVolumeRequest { volume_id: id.clone(), staging_target_path: staging.display().to_string() }).await?
+            node.node_unstage_volume(NodeUnstageVolumeRequest {
+                volume_id: id.clone(),
+                staging_target_path: staging.display().to_string()
+            })
+            .await?
         );
-        timed!(s, "DeleteVolume", ctrl.delete_volume(DeleteVolumeRequest { volume_id: id, ..Default::default() }).await?);
+        timed!(
+            s,
+            "DeleteVolume",
+            ctrl.delete_volume(DeleteVolumeRequest {
+                volume_id: id,
+                ..Default::default()
+            })
+            .await?
+        );
         s.add("whole lifecycle", t0.elapsed());
     }
     let wall = total.elapsed();
@@ -113,15 +188,35 @@ async fn main() -> Result<()> {
         bail!("the benchmark left loop devices or mounts behind");
     }
 
-    println!("ferrovol bench — local backend, {n} lifecycles of a {} MiB {fs} volume ({:.1} s)\n", size / MIB, wall.as_secs_f64());
+    println!(
+        "ferrovol bench — local backend, {n} lifecycles of a {} MiB {fs} volume ({:.1} s)\n",
+        size / MIB,
+        wall.as_secs_f64()
+    );
     println!("{:<32} {:>10} {:>10} {:>8}", "RPC", "p50 ms", "p99 ms", "n");
     for (name, v) in s.0.iter_mut() {
         let len = v.len();
-        println!("{:<32} {:>10.2} {:>10.2} {:>8}", name, pct(v, 0.5), pct(v, 0.99), len);
+        println!(
+            "{:<32} {:>10.2} {:>10.2} {:>8}",
+            name,
+            pct(v, 0.5),
+            pct(v, 0.99),
+            len
+        );
     }
     println!();
     println!("{:<32} {:>10} {:>10}", "memory", "idle MiB", "peak MiB");
-    println!("{:<32} {:>10.1} {:>10.1}", "csi-controller", idle.0 as f64 / 1024.0, peak.0 as f64 / 1024.0);
-    println!("{:<32} {:>10.1} {:>10.1}", "csi-node", idle.1 as f64 / 1024.0, peak.1 as f64 / 1024.0);
+    println!(
+        "{:<32} {:>10.1} {:>10.1}",
+        "csi-controller",
+        idle.0 as f64 / 1024.0,
+        peak.0 as f64 / 1024.0
+    );
+    println!(
+        "{:<32} {:>10.1} {:>10.1}",
+        "csi-node",
+        idle.1 as f64 / 1024.0,
+        peak.1 as f64 / 1024.0
+    );
     Ok(())
 }
