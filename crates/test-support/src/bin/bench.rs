@@ -47,6 +47,52 @@ macro_rules! timed {
     }};
 }
 
+/// What NodeStage and NodePublish do, as bare commands: the floor the driver is measured
+/// against.
+fn shell_baseline(root: &std::path::Path, size: i64, fs: &str, n: usize) -> Result<Samples> {
+    use std::process::Command;
+    let run = |cmd: &mut Command| -> Result<String> {
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bail!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    };
+    let mut s = Samples(BTreeMap::new());
+    let dir = root.join("baseline");
+    std::fs::create_dir_all(dir.join("stage"))?;
+    std::fs::create_dir_all(dir.join("target"))?;
+    for _ in 0..n {
+        let img = dir.join("disk.img");
+        std::fs::File::create(&img)?.set_len(size as u64)?;
+        let t = Instant::now();
+        let dev = run(Command::new("losetup").args(["-f", "--show"]).arg(&img))?;
+        if fs == "xfs" {
+            run(Command::new("mkfs.xfs").args(["-q", "-K", &dev]))?;
+        } else {
+            run(Command::new("mkfs.ext4").args([
+                "-q",
+                "-E",
+                "nodiscard,lazy_itable_init=1,lazy_journal_init=1",
+                &dev,
+            ]))?;
+        }
+        run(Command::new("mount").arg(&dev).arg(dir.join("stage")))?;
+        s.add("shell: losetup+mkfs+mount", t.elapsed());
+        let t = Instant::now();
+        run(Command::new("mount")
+            .arg("--bind")
+            .arg(dir.join("stage"))
+            .arg(dir.join("target")))?;
+        s.add("shell: mount --bind", t.elapsed());
+        run(Command::new("umount").arg(dir.join("target")))?;
+        run(Command::new("umount").arg(dir.join("stage")))?;
+        run(Command::new("losetup").args(["-d", &dev]))?;
+        std::fs::remove_file(&img)?;
+    }
+    Ok(s)
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
     require_private_mount_namespace();
@@ -183,6 +229,7 @@ async fn main() -> Result<()> {
         s.add("whole lifecycle", t0.elapsed());
     }
     let wall = total.elapsed();
+    let baseline = shell_baseline(&h.root, size, &fs, n.min(20))?;
     let peak = (rss_kib(cpid, "VmHWM:")?, rss_kib(npid, "VmHWM:")?);
     if !h.loop_devices().is_empty() || !h.mounts().is_empty() {
         bail!("the benchmark left loop devices or mounts behind");
@@ -204,6 +251,30 @@ async fn main() -> Result<()> {
             len
         );
     }
+    println!();
+    println!(
+        "baseline: the same steps as bare commands (no probe, intent, lock, confinement, records)"
+    );
+    let mut base = baseline;
+    for (name, v) in base.0.iter_mut() {
+        let len = v.len();
+        println!(
+            "{:<32} {:>10.2} {:>10.2} {:>8}",
+            name,
+            pct(v, 0.5),
+            pct(v, 0.99),
+            len
+        );
+    }
+    let stage = pct(s.0.get_mut("NodeStageVolume (blank, mkfs)").unwrap(), 0.5);
+    let publish = pct(s.0.get_mut("NodePublishVolume").unwrap(), 0.5);
+    let raw_stage = pct(base.0.get_mut("shell: losetup+mkfs+mount").unwrap(), 0.5);
+    let raw_bind = pct(base.0.get_mut("shell: mount --bind").unwrap(), 0.5);
+    println!(
+        "driver overhead at p50: NodeStage {:+.2} ms over the shell, NodePublish {:+.2} ms",
+        stage - raw_stage,
+        publish - raw_bind
+    );
     println!();
     println!("{:<32} {:>10} {:>10}", "memory", "idle MiB", "peak MiB");
     println!(
