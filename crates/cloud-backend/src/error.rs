@@ -49,12 +49,34 @@ pub enum Error {
         status: String,
         stderr: String,
     },
+    /// The cloud refused the credentials or the permission.
+    #[error("{0}")]
+    PermissionDenied(String),
     /// State on disk contradicts itself; a person has to look.
     #[error("{0}")]
     Internal(String),
 }
 
 impl Error {
+    /// The same failure again, for answering several waiters of one shared call. Sources are
+    /// flattened into the message.
+    pub fn duplicate(&self) -> Error {
+        let msg = self.to_string();
+        match self {
+            Error::InvalidArgument(_) => Error::InvalidArgument(msg),
+            Error::NotFound(_) => Error::NotFound(msg),
+            Error::AlreadyExists(_) => Error::AlreadyExists(msg),
+            Error::FailedPrecondition(_) => Error::FailedPrecondition(msg),
+            Error::OutOfRange(_) => Error::OutOfRange(msg),
+            Error::ResourceExhausted(_) => Error::ResourceExhausted(msg),
+            Error::Busy(_) => Error::Busy(msg),
+            Error::Unsupported(_) => Error::Unsupported(msg),
+            Error::Unavailable(_) => Error::Unavailable(msg),
+            Error::PermissionDenied(_) => Error::PermissionDenied(msg),
+            Error::Io { .. } | Error::Command { .. } | Error::Internal(_) => Error::Internal(msg),
+        }
+    }
+
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         Error::Io {
             context: context.into(),

@@ -9,9 +9,11 @@
 //! This crate knows nothing of gRPC: failures are [`Error`] values, which the service crates map
 //! to status codes in one place.
 
+pub mod aws;
 pub mod error;
 pub mod ids;
 pub mod local;
+pub mod metrics;
 pub mod sys;
 mod types;
 
@@ -38,6 +40,31 @@ pub trait ControllerBackend: Send + Sync + 'static {
 
     /// Checks the StorageClass parameters before anything is created.
     fn validate_parameters(&self, parameters: &BTreeMap<String, String>) -> Result<()>;
+
+    /// Checks mutable parameters (VolumeAttributesClass) before anything is changed.
+    fn validate_mutable_parameters(&self, mutable: &BTreeMap<String, String>) -> Result<()> {
+        if mutable.is_empty() {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(format!(
+            "mutable parameters {:?} are not supported by this backend",
+            mutable.keys().collect::<Vec<_>>()
+        )))
+    }
+
+    /// Applies mutable parameters to an existing volume (ControllerModifyVolume).
+    fn modify_volume(
+        &self,
+        id: &str,
+        mutable: &BTreeMap<String, String>,
+    ) -> impl Future<Output = Result<()>> + Send {
+        let _ = (id, mutable);
+        async {
+            Err(Error::Unsupported(
+                "ControllerModifyVolume is not supported by this backend".into(),
+            ))
+        }
+    }
 
     fn create_volume(&self, req: CreateVolume) -> impl Future<Output = Result<Volume>> + Send;
     fn delete_volume(&self, id: &str) -> impl Future<Output = Result<()>> + Send;

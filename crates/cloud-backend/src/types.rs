@@ -16,6 +16,13 @@ pub struct BackendCapabilities {
     pub attach: bool,
     /// Multi-node access modes this backend can serve.
     pub multi_node: bool,
+    /// ControllerModifyVolume (mutable parameters).
+    pub modify: bool,
+    /// The backend serialises and merges expand/modify of one volume itself (so the service
+    /// must not answer the second of two concurrent requests with ABORTED).
+    pub coalesces_modifications: bool,
+    /// GetCapacity reports the nodes' own space (local) — topology-aware capacity tracking.
+    pub node_local: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,11 +47,14 @@ pub struct CreateVolume {
     /// 0 means no limit.
     pub limit_bytes: u64,
     pub parameters: BTreeMap<String, String>,
+    pub mutable_parameters: BTreeMap<String, String>,
     pub content_source: Option<ContentSource>,
     /// Filesystem the volume will carry, if known at create time (affects minimum size).
     pub fs_type: Option<String>,
-    /// Topology the volume must be accessible from (requisite, in order of preference).
+    /// Topology the volume must be accessible from (requisite).
     pub accessibility: Vec<Topology>,
+    /// Topology preferred by the scheduler, most preferred first.
+    pub preferred: Vec<Topology>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,6 +29,19 @@ impl<B: ControllerBackend> ControllerService<B> {
         self.locks.try_lock(key).map_err(to_status)
     }
 
+    /// Expand and modify take the volume lock, unless the backend merges concurrent
+    /// modifications of one volume itself (EBS allows one modification per six hours, so the
+    /// second of two concurrent requests must join the first, not be refused).
+    fn modification_lock(
+        &self,
+        volume_id: &str,
+    ) -> Result<Option<cloud_backend::sys::lock::LockGuard>, Status> {
+        if self.backend.capabilities().coalesces_modifications {
+            return Ok(None);
+        }
+        self.lock(volume_id).map(Some)
+    }
+
     fn multi_node(&self) -> bool {
         self.backend.capabilities().multi_node
     }
@@ -147,11 +160,10 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         self.backend
             .validate_parameters(&parameters)
             .map_err(to_status)?;
-        if !req.mutable_parameters.is_empty() {
-            return Err(invalid(
-                "mutable_parameters are not supported: this driver does not implement ControllerModifyVolume",
-            ));
-        }
+        let mutable_parameters = from_map(&req.mutable_parameters);
+        self.backend
+            .validate_mutable_parameters(&mutable_parameters)
+            .map_err(to_status)?;
         let fs_types: Vec<&str> = caps
             .iter()
             .filter_map(|c| match &c.access {
@@ -175,18 +187,23 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
                 Some(ContentSource::Volume(v.volume_id))
             }
         };
-        let accessibility: Vec<Topology> = req
+        let topologies = |ts: &[csi_proto::v1::Topology]| -> Vec<Topology> {
+            ts.iter().map(|t| from_map(&t.segments)).collect()
+        };
+        let (accessibility, preferred) = req
             .accessibility_requirements
-            .map(|a| a.requisite.iter().map(|t| from_map(&t.segments)).collect())
+            .map(|a| (topologies(&a.requisite), topologies(&a.preferred)))
             .unwrap_or_default();
         let spec = cloud_backend::CreateVolume {
             name: req.name.clone(),
             required_bytes,
             limit_bytes,
             parameters,
+            mutable_parameters,
             content_source: source,
             fs_type,
             accessibility,
+            preferred,
         };
         let guard = self.lock(&self.backend.create_lock_key(&req.name))?;
         let backend = self.backend.clone();
@@ -438,11 +455,15 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
             types.push(Type::GetCapacity);
         }
         if c.attach {
+            // PUBLISH_READONLY is not offered: EBS attachments have no read-only mode; read-only
+            // is enforced on the node (read-only mounts, BLKROSET for raw block).
             types.extend([
                 Type::PublishUnpublishVolume,
-                Type::PublishReadonly,
                 Type::ListVolumesPublishedNodes,
             ]);
+        }
+        if c.modify {
+            types.push(Type::ModifyVolume);
         }
         Ok(Response::new(ControllerGetCapabilitiesResponse {
             capabilities: types
@@ -570,7 +591,7 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
                 req.volume_id
             ))));
         }
-        let guard = self.lock(&req.volume_id)?;
+        let guard = self.modification_lock(&req.volume_id)?;
         let backend = self.backend.clone();
         let size = run_to_completion(async move {
             let _guard = guard;
@@ -619,13 +640,44 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
         }))
     }
 
+    /// MUST apply the mutable parameters (a VolumeAttributesClass) to the volume; unknown keys
+    /// are INVALID_ARGUMENT, an unknown volume NOT_FOUND.
+    #[tracing::instrument(skip_all, fields(volume_id = %request.get_ref().volume_id))]
     async fn controller_modify_volume(
         &self,
-        _request: Request<ControllerModifyVolumeRequest>,
+        request: Request<ControllerModifyVolumeRequest>,
     ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "ControllerModifyVolume is not supported by this backend",
-        ))
+        let req = request.into_inner();
+        validate::require("volume_id", &req.volume_id)?;
+        if !self.backend.capabilities().modify {
+            return Err(Status::unimplemented(
+                "ControllerModifyVolume is not supported by this backend",
+            ));
+        }
+        let mutable = from_map(&req.mutable_parameters);
+        if mutable.is_empty() {
+            return Err(invalid("mutable_parameters is required"));
+        }
+        self.backend
+            .validate_mutable_parameters(&mutable)
+            .map_err(to_status)?;
+        if !self.backend.is_volume_id(&req.volume_id) {
+            return Err(to_status(Error::NotFound(format!(
+                "volume {} does not exist",
+                req.volume_id
+            ))));
+        }
+        let guard = self.modification_lock(&req.volume_id)?;
+        let backend = self.backend.clone();
+        run_to_completion(async move {
+            let _guard = guard;
+            backend
+                .modify_volume(&req.volume_id, &mutable)
+                .await
+                .map_err(to_status)
+        })
+        .await?;
+        Ok(Response::new(ControllerModifyVolumeResponse {}))
     }
 
     /// MUST describe an existing snapshot; unknown is NOT_FOUND.

@@ -2,17 +2,22 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
+use cloud_backend::aws::{AwsBackend, AwsConfig};
 use cloud_backend::local::{LocalBackend, LocalConfig};
+use cloud_backend::sys::lock::Locks;
 use csi_controller::ControllerService;
 use csi_identity::{IdentityService, logging, server};
 use csi_proto::v1::{controller_server::ControllerServer, identity_server::IdentityServer};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Backend {
     /// Sparse files on loop devices under --state-dir, provisioned on this node.
     Local,
+    /// Amazon EBS through the EC2 API.
+    Aws,
 }
 
 /// ferrovol CSI controller plugin: the Identity and Controller services on a Unix socket,
@@ -29,7 +34,7 @@ struct Args {
     backend: Backend,
 
     /// Driver name reported to Kubernetes; part of every PV, so never change it on a live
-    /// cluster. Default: local.csi.ferrovol.dev for the local backend.
+    /// cluster. Default: local.csi.ferrovol.dev (local) or ebs.csi.ferrovol.dev (aws).
     #[arg(long, env = "FERROVOL_DRIVER_NAME")]
     driver_name: Option<String>,
 
@@ -37,10 +42,48 @@ struct Args {
     #[arg(long, env = "NODE_ID")]
     node_id: Option<String>,
 
-    /// Directory holding volume images, metadata and locks (local backend). Must be the same
-    /// directory the node plugin on this node uses.
+    /// Directory holding volume images, metadata and locks (local backend), or only locks
+    /// (aws backend). The local backend's node plugin on this node must use the same one.
     #[arg(long, env = "FERROVOL_STATE_DIR", default_value = "/var/lib/ferrovol")]
     state_dir: PathBuf,
+
+    /// aws: EC2 endpoint override (an emulator, a private cloud, a VPC endpoint).
+    #[arg(long, env = "FERROVOL_AWS_ENDPOINT_URL")]
+    aws_endpoint_url: Option<String>,
+
+    /// aws: region; default from the environment (AWS_REGION) or instance metadata.
+    #[arg(long, env = "FERROVOL_AWS_REGION")]
+    aws_region: Option<String>,
+
+    /// aws: value of the ferrovol.dev/cluster tag on everything this driver creates; lists only
+    /// see volumes and snapshots carrying it.
+    #[arg(long, env = "FERROVOL_CLUSTER_ID", default_value = "ferrovol")]
+    cluster_id: String,
+
+    /// aws: zone for volumes whose request carries no topology.
+    #[arg(long, env = "FERROVOL_DEFAULT_ZONE")]
+    default_zone: Option<String>,
+
+    /// aws: coalesce concurrent DescribeVolumes/DescribeInstances lookups into shared calls.
+    #[arg(long, env = "FERROVOL_BATCHING", default_value_t = true, action = clap::ArgAction::Set)]
+    batching: bool,
+
+    /// aws: first delay of the polling backoff while waiting for EC2 (milliseconds).
+    #[arg(long, env = "FERROVOL_POLL_INITIAL_MS", default_value_t = 500)]
+    poll_initial_ms: u64,
+
+    /// aws: EC2 call attempts (adaptive retry of throttling and server errors).
+    #[arg(long, env = "FERROVOL_AWS_MAX_ATTEMPTS", default_value_t = 10)]
+    aws_max_attempts: u32,
+
+    /// aws: seconds between background checks of the cloud API (reported in logs and
+    /// metrics, never through Probe).
+    #[arg(long, env = "FERROVOL_CLOUD_CHECK_SECONDS", default_value_t = 60)]
+    cloud_check_seconds: u64,
+
+    /// Serve Prometheus metrics on this address (e.g. 0.0.0.0:8080); off when unset.
+    #[arg(long, env = "FERROVOL_METRICS_ADDRESS")]
+    metrics_address: Option<std::net::SocketAddr>,
 
     /// Log format: text or json.
     #[arg(long, env = "FERROVOL_LOG_FORMAT", default_value = "text")]
@@ -65,6 +108,11 @@ fn main() -> Result<()> {
 
 async fn run(args: Args) -> Result<()> {
     let socket = server::socket_path(&args.endpoint).map_err(anyhow::Error::msg)?;
+    if let Some(addr) = args.metrics_address {
+        csi_identity::metrics::serve(addr)
+            .await
+            .with_context(|| format!("binding the metrics address {addr}"))?;
+    }
     match args.backend {
         Backend::Local => {
             let driver = args
@@ -94,7 +142,68 @@ async fn run(args: Args) -> Result<()> {
             )
             .await
         }
+        Backend::Aws => {
+            let driver = args
+                .driver_name
+                .clone()
+                .unwrap_or_else(|| "ebs.csi.ferrovol.dev".into());
+            let cfg = AwsConfig {
+                endpoint_url: args.aws_endpoint_url.clone(),
+                region: args.aws_region.clone(),
+                cluster_id: args.cluster_id.clone(),
+                default_zone: args.default_zone.clone(),
+                batching: args.batching,
+                poll_initial: Duration::from_millis(args.poll_initial_ms),
+                max_attempts: args.aws_max_attempts.max(1),
+                ..AwsConfig::default()
+            };
+            let backend = AwsBackend::new(cloud_backend::aws::ec2_client(&cfg).await, cfg);
+            // In-flight operations are serialised per name and volume with file locks: a second
+            // controller replica (or a restarted one) sharing the directory sees them too.
+            let locks =
+                Locks::new(args.state_dir.join("locks")).context("opening the lock directory")?;
+            spawn_cloud_check(
+                backend.clone(),
+                Duration::from_secs(args.cloud_check_seconds.max(1)),
+            );
+            serve(
+                &socket,
+                driver,
+                "aws",
+                ControllerService::new(Arc::new(backend), locks),
+            )
+            .await
+        }
     }
+}
+
+/// Checks the cloud API in the background and reports the result in logs and metrics. Probe
+/// stays local: EC2 throttling or an outage must not make livenessprobe restart us in a loop.
+fn spawn_cloud_check(backend: AwsBackend, every: Duration) {
+    tokio::spawn(async move {
+        let mut healthy = None;
+        loop {
+            let ok = match backend.health_check().await {
+                Ok(()) => true,
+                Err(e) => {
+                    if healthy != Some(false) {
+                        tracing::warn!(error = %e, "the EC2 API is not answering; CSI calls will fail until it does");
+                    }
+                    false
+                }
+            };
+            if ok && healthy == Some(false) {
+                tracing::info!("the EC2 API answers again");
+            }
+            healthy = Some(ok);
+            cloud_backend::metrics::global().set(
+                "ferrovol_cloud_healthy",
+                vec![],
+                if ok { 1.0 } else { 0.0 },
+            );
+            tokio::time::sleep(every).await;
+        }
+    });
 }
 
 async fn serve<B: cloud_backend::ControllerBackend>(
@@ -118,6 +227,7 @@ async fn serve<B: cloud_backend::ControllerBackend>(
         .with_context(|| format!("binding {}", socket.display()))?;
     tracing::info!(driver = %driver, backend, endpoint = %socket.display(), "csi-controller serving");
     tonic::transport::Server::builder()
+        .layer(csi_identity::metrics::RpcMetricsLayer)
         .add_service(health_service)
         .add_service(IdentityServer::new(identity))
         .add_service(ControllerServer::new(controller))

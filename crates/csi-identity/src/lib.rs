@@ -7,6 +7,7 @@
 //! - [`task`]: running a mutating RPC to completion even when its caller gives up.
 
 pub mod logging;
+pub mod metrics;
 pub mod server;
 pub mod status;
 pub mod task;

@@ -15,6 +15,7 @@ pub fn to_status(err: Error) -> Status {
         Error::Busy(_) => Code::Aborted,
         Error::Unsupported(_) => Code::Unimplemented,
         Error::Unavailable(_) => Code::Unavailable,
+        Error::PermissionDenied(_) => Code::PermissionDenied,
         Error::Io { .. } | Error::Command { .. } | Error::Internal(_) => Code::Internal,
     };
     if code == Code::Internal {

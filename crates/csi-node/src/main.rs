@@ -2,7 +2,9 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, ValueEnum};
+use cloud_backend::aws::{AwsNode, AwsNodeConfig, InstanceMetadata};
 use cloud_backend::local::{LocalBackend, LocalConfig};
+use cloud_backend::sys::lock::Locks;
 use csi_identity::{IdentityService, logging, server};
 use csi_node::format::Intents;
 use csi_node::mounter::SysMounter;
@@ -17,6 +19,8 @@ use std::sync::Arc;
 enum Backend {
     /// Sparse files on loop devices under --state-dir.
     Local,
+    /// Amazon EBS volumes attached by the controller, found here through their NVMe links.
+    Aws,
 }
 
 /// ferrovol CSI node plugin: the Identity and Node services on a Unix socket, called by
@@ -33,13 +37,43 @@ struct Args {
     backend: Backend,
 
     /// Driver name reported to kubelet; must match the controller's. Default:
-    /// local.csi.ferrovol.dev for the local backend.
+    /// local.csi.ferrovol.dev (local) or ebs.csi.ferrovol.dev (aws).
     #[arg(long, env = "FERROVOL_DRIVER_NAME")]
     driver_name: Option<String>,
 
-    /// This node's id (the Kubernetes node name).
-    #[arg(long, env = "NODE_ID")]
+    /// This node's id: the Kubernetes node name (local) or the EC2 instance id (aws; read
+    /// from instance metadata when unset).
+    #[arg(long, env = "NODE_ID", default_value = "")]
     node_id: String,
+
+    /// aws: availability zone of this instance (instance metadata when unset).
+    #[arg(long, env = "FERROVOL_AVAILABILITY_ZONE")]
+    availability_zone: Option<String>,
+
+    /// aws: instance type, for the attachment limit (instance metadata when unset).
+    #[arg(long, env = "FERROVOL_INSTANCE_TYPE")]
+    instance_type: Option<String>,
+
+    /// aws: attachment slots kept for the root volume and network interfaces when the
+    /// limit is derived from the instance type.
+    #[arg(long, env = "FERROVOL_RESERVED_ATTACHMENTS")]
+    reserved_attachments: Option<i64>,
+
+    /// aws: where udev keeps /dev/disk/by-id links (a test hypervisor can stand in).
+    #[arg(long, env = "FERROVOL_BY_ID_DIR", default_value = "/dev/disk/by-id")]
+    by_id_dir: PathBuf,
+
+    /// aws: the sysfs root, where device serials are read.
+    #[arg(long, env = "FERROVOL_SYS_ROOT", default_value = "/sys")]
+    sys_root: PathBuf,
+
+    /// aws: seconds NodeStage waits for an attached volume's device to appear.
+    #[arg(long, env = "FERROVOL_DEVICE_WAIT_SECONDS", default_value_t = 30)]
+    device_wait_seconds: u64,
+
+    /// Serve Prometheus metrics on this address (e.g. 0.0.0.0:8081); off when unset.
+    #[arg(long, env = "FERROVOL_METRICS_ADDRESS")]
+    metrics_address: Option<std::net::SocketAddr>,
 
     /// kubelet's root directory. Every staging and target path must lie strictly below it,
     /// reachable without symbolic links; anything else is refused.
@@ -51,7 +85,8 @@ struct Args {
     #[arg(long, env = "FERROVOL_STATE_DIR", default_value = "/var/lib/ferrovol")]
     state_dir: PathBuf,
 
-    /// Maximum number of volumes this node accepts (0: no limit).
+    /// Maximum number of volumes this node accepts (0: no limit for local; derived from the
+    /// instance type for aws).
     #[arg(long, env = "FERROVOL_MAX_VOLUMES", default_value_t = 0)]
     max_volumes_per_node: i64,
 
@@ -77,9 +112,6 @@ fn main() -> Result<()> {
 }
 
 async fn run(args: Args) -> Result<()> {
-    if args.node_id.is_empty() {
-        bail!("--node-id (or NODE_ID) must not be empty");
-    }
     if args.max_volumes_per_node < 0 {
         bail!("--max-volumes-per-node must not be negative");
     }
@@ -89,8 +121,16 @@ async fn run(args: Args) -> Result<()> {
     let kubelet = KubeletDir::open(&args.kubelet_dir).context("opening the kubelet directory")?;
     let intents = Intents::new(args.state_dir.join("node/format-intents"))
         .context("opening the format intent directory")?;
+    if let Some(addr) = args.metrics_address {
+        csi_identity::metrics::serve(addr)
+            .await
+            .with_context(|| format!("binding the metrics address {addr}"))?;
+    }
     match args.backend {
         Backend::Local => {
+            if args.node_id.is_empty() {
+                bail!("--node-id (or NODE_ID) must not be empty with the local backend");
+            }
             let driver = args
                 .driver_name
                 .clone()
@@ -116,7 +156,83 @@ async fn run(args: Args) -> Result<()> {
             let node = NodeService::new(backend, SysMounter, kubelet, locks, intents, cfg);
             serve(&socket, driver, "local", node).await
         }
+        Backend::Aws => {
+            let driver = args
+                .driver_name
+                .clone()
+                .unwrap_or_else(|| "ebs.csi.ferrovol.dev".into());
+            let meta = aws_identity(&args).await?;
+            let max_volumes = if args.max_volumes_per_node > 0 {
+                args.max_volumes_per_node
+            } else {
+                // Nitro slots are shared with network interfaces; one more for the root volume.
+                let reserved = args
+                    .reserved_attachments
+                    .unwrap_or(1 + meta.interfaces as i64);
+                (cloud_backend::aws::instance_limits(&meta.instance_type) - reserved).max(1)
+            };
+            let backend = AwsNode::new(AwsNodeConfig {
+                by_id_dir: args.by_id_dir.clone(),
+                sys_root: args.sys_root.clone(),
+                device_wait: std::time::Duration::from_secs(args.device_wait_seconds),
+            });
+            let locks =
+                Locks::new(args.state_dir.join("locks")).context("opening the lock directory")?;
+            let cfg = NodeConfig {
+                node_id: meta.instance_id.clone(),
+                max_volumes_per_node: max_volumes,
+                topology: BTreeMap::from([(
+                    cloud_backend::aws::ZONE_KEY.to_string(),
+                    meta.zone.clone(),
+                )]),
+                multi_node: false,
+            };
+            tracing::info!(instance = %meta.instance_id, zone = %meta.zone, instance_type = %meta.instance_type, max_volumes, "node identity");
+            let node = NodeService::new(backend, SysMounter, kubelet, locks, intents, cfg);
+            serve(&socket, driver, "aws", node).await
+        }
     }
+}
+
+/// The instance's identity: flags first, then instance metadata (IMDSv2) for what is missing.
+async fn aws_identity(args: &Args) -> Result<InstanceMetadata> {
+    let mut meta = InstanceMetadata {
+        instance_id: args.node_id.clone(),
+        zone: args.availability_zone.clone().unwrap_or_default(),
+        instance_type: args.instance_type.clone().unwrap_or_default(),
+        interfaces: 1,
+    };
+    if meta.instance_id.is_empty() || meta.zone.is_empty() || meta.instance_type.is_empty() {
+        match cloud_backend::aws::instance_metadata().await {
+            Ok(imds) => {
+                for (mine, theirs) in [
+                    (&mut meta.instance_id, imds.instance_id),
+                    (&mut meta.zone, imds.zone),
+                    (&mut meta.instance_type, imds.instance_type),
+                ] {
+                    if mine.is_empty() {
+                        *mine = theirs;
+                    }
+                }
+                meta.interfaces = imds.interfaces;
+            }
+            Err(e) if meta.instance_id.is_empty() || meta.zone.is_empty() => {
+                bail!(
+                    "cannot tell which instance this is: {e}; pass --node-id and --availability-zone (or NODE_ID and FERROVOL_AVAILABILITY_ZONE)"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "instance metadata unreachable; using the flags given")
+            }
+        }
+    }
+    if !cloud_backend::aws::is_instance_id(&meta.instance_id) {
+        bail!(
+            "node id {:?} is not an EC2 instance id (i-…)",
+            meta.instance_id
+        );
+    }
+    Ok(meta)
 }
 
 async fn serve<B: cloud_backend::NodeBackend>(
@@ -140,6 +256,7 @@ async fn serve<B: cloud_backend::NodeBackend>(
         .with_context(|| format!("binding {}", socket.display()))?;
     tracing::info!(driver = %driver, backend, endpoint = %socket.display(), "csi-node serving");
     tonic::transport::Server::builder()
+        .layer(csi_identity::metrics::RpcMetricsLayer)
         .add_service(health_service)
         .add_service(IdentityServer::new(identity))
         .add_service(NodeServer::new(node))

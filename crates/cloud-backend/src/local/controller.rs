@@ -454,6 +454,9 @@ impl ControllerBackend for LocalBackend {
             get_capacity: true,
             attach: false,
             multi_node: false,
+            modify: false,
+            coalesces_modifications: false,
+            node_local: true,
         }
     }
 
