@@ -16,7 +16,7 @@ pub fn run(args: &[String]) -> Result<()> {
     };
     tools::debian_packages()?;
     util::run(
-        util::cargo().args(["build", "--release", "--workspace", "--bins"]),
+        util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
         BUILD_TIMEOUT,
     )
     .context("building the driver binaries (release)")?;
@@ -25,7 +25,8 @@ pub fn run(args: &[String]) -> Result<()> {
     cmd.args([
         "run",
         "--quiet",
-        "--release",
+        "--profile",
+        util::PROFILE,
         "-p",
         "test-support",
         "--bin",
@@ -35,7 +36,7 @@ pub fn run(args: &[String]) -> Result<()> {
     .args(args);
     util::run_with_test_root(
         &mut cmd,
-        &target.join("release"),
+        &target.join(util::PROFILE),
         &target.join("bench-root"),
         BENCH_TIMEOUT,
     )

@@ -12,7 +12,7 @@ const DEMO_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 pub fn run() -> Result<()> {
     tools::debian_packages()?;
     util::run(
-        util::cargo().args(["build", "--workspace", "--bins"]),
+        util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
         BUILD_TIMEOUT,
     )
     .context("building the driver binaries")?;
@@ -21,6 +21,8 @@ pub fn run() -> Result<()> {
     cmd.args([
         "run",
         "--quiet",
+        "--profile",
+        util::PROFILE,
         "-p",
         "test-support",
         "--bin",
@@ -28,7 +30,7 @@ pub fn run() -> Result<()> {
     ]);
     util::run_with_test_root(
         &mut cmd,
-        &target.join("debug"),
+        &target.join(util::PROFILE),
         &target.join("demo-root"),
         DEMO_TIMEOUT,
     )

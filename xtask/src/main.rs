@@ -5,6 +5,9 @@
 mod bench;
 mod codegen;
 mod demo;
+mod images;
+mod lint;
+mod render;
 mod sanity;
 mod test;
 mod tools;
@@ -17,11 +20,21 @@ cargo xtask <task> [options]
 
 tasks:
   codegen [--check]   regenerate crates/csi-proto from proto/csi.proto (--check: fail if stale)
-  test                everything CI checks: tools, codegen --check, fmt, clippy, cargo test, sanity
+  test                everything CI checks: tools, codegen --check, fmt, clippy, cargo test, sanity,
+                      images --test
   sanity [--keep]     run csi-sanity against the local backend, for mount and block volumes
                       (--keep: keep the logs and reports in target/sanity/<pid>/ after a success)
   demo                run test-support's ferrovol-demo against the driver binaries
   bench [-- args]     run test-support's ferrovol-bench against release builds of the driver
+  images [--test]     build the ferrovol-controller and ferrovol-node images into target/images/
+                      without a container engine, checked reproducible (--test: run them under
+                      podman and containerd; --update-lock: pin Debian's current packages in
+                      xtask/images.lock)
+  render [--check]    helm template charts/ferrovol into deploy/kubernetes/<backend>/ (--check:
+                      fail if the committed manifests are stale)
+  lint                helm lint --strict, kube-linter on deploy/kubernetes, actionlint on the
+                      workflows
+  helm <args>         run the pinned helm (the release workflow packages and pushes the chart)
 
 Tasks that run the driver do so in a private mount namespace (unshare), which needs root.
 Pinned tools such as csi-sanity are cached in $FERROVOL_CACHE (default ~/.cache/ferrovol).
@@ -40,6 +53,10 @@ fn main() -> Result<()> {
         "sanity-inner" => sanity::run_inner(&rest),
         "demo" => demo::run(),
         "bench" => bench::run(&rest),
+        "images" => images::run(&rest),
+        "render" => render::run(util::flag(&rest, "--check")),
+        "lint" => lint::run(),
+        "helm" => render::helm_passthrough(&rest),
         "" | "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

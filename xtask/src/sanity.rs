@@ -17,10 +17,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-const MODES: [&str; 2] = ["mount", "block"];
+/// Every run: the backend and the access type csi-sanity tests volumes with.
+const RUNS: [(&str, &str); 4] = [
+    ("local", "mount"),
+    ("local", "block"),
+    ("aws", "mount"),
+    ("aws", "block"),
+];
 const NODE_ID: &str = "sanity-node";
 const VOLUME_SIZE: &str = "67108864"; // 64 MiB
 const EXPANDED_VOLUME_SIZE: &str = "134217728"; // 128 MiB
+// EBS sizes are whole GiB (sparse files behind the hypervisor stand-in, so cheap).
+const AWS_VOLUME_SIZE: &str = "1073741824";
+const AWS_EXPANDED_VOLUME_SIZE: &str = "2147483648";
 
 const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const INNER_TIMEOUT: Duration = Duration::from_secs(20 * 60);
@@ -32,8 +41,9 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 pub fn run(keep: bool) -> Result<()> {
     tools::debian_packages()?;
     tools::csi_sanity()?;
+    let moto = tools::moto()?;
     util::run(
-        util::cargo().args(["build", "--workspace", "--bins"]),
+        util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
         BUILD_TIMEOUT,
     )
     .context("building the driver binaries")?;
@@ -50,6 +60,7 @@ pub fn run(keep: bool) -> Result<()> {
     inner
         .arg("sanity-inner")
         .arg(&workdir)
+        .env("FERROVOL_MOTO", &moto)
         .env("PATH", util::path_with_sbin());
     let inner_result = util::run(&mut inner, INNER_TIMEOUT);
     // The trap: runs whatever happened inside, before anything can return early.
@@ -57,13 +68,14 @@ pub fn run(keep: bool) -> Result<()> {
 
     let mut problems = Vec::new();
     let mut reports = Vec::new();
-    for mode in MODES {
-        let junit = workdir.join(mode).join("junit.xml");
+    for (backend, mode) in RUNS {
+        let name = run_name(backend, mode);
+        let junit = workdir.join(name).join("junit.xml");
         match std::fs::read_to_string(&junit) {
-            Ok(xml) => reports.push((mode, Report::parse(&xml))),
+            Ok(xml) => reports.push((name, Report::parse(&xml))),
             Err(_) => problems.push(format!(
-                "{mode}: csi-sanity produced no JUnit report (see {})",
-                workdir.join(mode).join("sanity.log").display()
+                "{name}: csi-sanity produced no JUnit report (see {})",
+                workdir.join(name).join("sanity.log").display()
             )),
         }
     }
@@ -88,10 +100,10 @@ pub fn run(keep: bool) -> Result<()> {
             "\nsanity: logs and JUnit reports are in {}",
             workdir.display()
         );
-        for mode in MODES {
+        for (backend, mode) in RUNS {
             println!(
                 "  {}/{{controller,node,sanity}}.log",
-                workdir.join(mode).display()
+                workdir.join(run_name(backend, mode)).display()
             );
         }
     }
@@ -125,23 +137,122 @@ pub fn run_inner(args: &[String]) -> Result<()> {
         "sanity-inner must run in a private mount namespace: use `cargo xtask sanity`"
     );
     let csi_sanity = tools::csi_sanity()?;
-    let bin_dir = util::target_dir().join("debug");
+    let bin_dir = util::target_dir().join(util::PROFILE);
 
     let mut failed = Vec::new();
-    for mode in MODES {
-        println!("\nsanity: access type {mode}");
-        if let Err(err) = run_mode(&csi_sanity, &bin_dir, &workdir.join(mode), mode) {
-            eprintln!("sanity: {mode}: {err:#}");
-            failed.push(mode);
+    for (backend, mode) in RUNS {
+        let name = run_name(backend, mode);
+        println!("\nsanity: {backend} backend, access type {mode}");
+        if let Err(err) = run_mode(&csi_sanity, &bin_dir, &workdir.join(name), backend, mode) {
+            eprintln!("sanity: {name}: {err:#}");
+            failed.push(name);
         }
     }
     if !failed.is_empty() {
-        bail!("sanity-inner: access type(s) {} failed", failed.join(", "));
+        bail!("sanity-inner: run(s) {} failed", failed.join(", "));
     }
     Ok(())
 }
 
-fn run_mode(csi_sanity: &Path, bin_dir: &Path, dir: &Path, mode: &str) -> Result<()> {
+fn run_name(backend: &str, mode: &str) -> &'static str {
+    match (backend, mode) {
+        ("local", "mount") => "local-mount",
+        ("local", "block") => "local-block",
+        ("aws", "mount") => "aws-mount",
+        _ => "aws-block",
+    }
+}
+
+/// The aws backend's world for one run: moto on loopback and the hypervisor stand-in
+/// (`ferrovol-hypervisor`), which starts an instance and presents its attachments as loop
+/// devices with by-id links and serials.
+struct AwsWorld {
+    moto: Plugin,
+    hypervisor: Plugin,
+    endpoint: String,
+    instance: String,
+    by_id: PathBuf,
+    sys: PathBuf,
+}
+
+impl AwsWorld {
+    fn start(bin_dir: &Path, dir: &Path) -> Result<AwsWorld> {
+        let moto_server = std::env::var_os("FERROVOL_MOTO")
+            .context("FERROVOL_MOTO is not set (cargo xtask sanity sets it)")?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let moto = Plugin::start(
+            Command::new(moto_server).args(["-H", "127.0.0.1", "-p", &port.to_string()]),
+            &dir.join("moto.log"),
+        )?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "moto did not listen on port {port} within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let endpoint = format!("http://127.0.0.1:{port}");
+        // It prints instance=…, by-id=… and sys=… lines to its log once ready.
+        let out = dir.join("hypervisor.log");
+        let hypervisor = Plugin::start(
+            Command::new(bin_dir.join("ferrovol-hypervisor"))
+                .args(["--endpoint", &endpoint, "--root"])
+                .arg(dir.join("hypervisor")),
+            &out,
+        )?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = std::fs::read_to_string(&out).unwrap_or_default();
+            let field = |k: &str| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix(k))
+                    .map(str::to_string)
+            };
+            if let (Some(instance), Some(by_id), Some(sys)) =
+                (field("instance="), field("by-id="), field("sys="))
+            {
+                return Ok(AwsWorld {
+                    moto,
+                    hypervisor,
+                    endpoint,
+                    instance,
+                    by_id: by_id.into(),
+                    sys: sys.into(),
+                });
+            }
+            ensure!(
+                std::time::Instant::now() < deadline,
+                "the hypervisor stand-in did not start (see {})",
+                dir.join("hypervisor.log").display()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn stop(mut self) -> Result<()> {
+        let a = self.hypervisor.stop();
+        let b = self.moto.stop();
+        a.and(b)
+    }
+}
+
+const AWS_ENV: [(&str, &str); 4] = [
+    ("AWS_ACCESS_KEY_ID", "testing"),
+    ("AWS_SECRET_ACCESS_KEY", "testing"),
+    ("AWS_REGION", "us-east-1"),
+    ("AWS_EC2_METADATA_DISABLED", "true"),
+];
+
+fn run_mode(
+    csi_sanity: &Path,
+    bin_dir: &Path,
+    dir: &Path,
+    backend: &str,
+    mode: &str,
+) -> Result<()> {
     let kubelet = dir.join("kubelet");
     let state = dir.join("state");
     for d in [&kubelet, &state] {
@@ -158,26 +269,64 @@ fn run_mode(csi_sanity: &Path, bin_dir: &Path, dir: &Path, mode: &str) -> Result
         );
     }
 
-    let mut controller = Plugin::start(
-        Command::new(bin_dir.join("csi-controller"))
-            .arg("--endpoint")
-            .arg(endpoint(&controller_sock))
-            .args(["--node-id", NODE_ID])
-            .arg("--state-dir")
-            .arg(&state),
-        &dir.join("controller.log"),
-    )?;
-    let mut node = Plugin::start(
-        Command::new(bin_dir.join("csi-node"))
-            .arg("--endpoint")
-            .arg(endpoint(&node_sock))
-            .args(["--node-id", NODE_ID])
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--kubelet-dir")
-            .arg(&kubelet),
-        &dir.join("node.log"),
-    )?;
+    let world = if backend == "aws" {
+        Some(AwsWorld::start(bin_dir, dir)?)
+    } else {
+        None
+    };
+    let mut controller_cmd = Command::new(bin_dir.join("csi-controller"));
+    controller_cmd
+        .arg("--endpoint")
+        .arg(endpoint(&controller_sock))
+        .arg("--state-dir")
+        .arg(&state);
+    let mut node_cmd = Command::new(bin_dir.join("csi-node"));
+    node_cmd
+        .arg("--endpoint")
+        .arg(endpoint(&node_sock))
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--kubelet-dir")
+        .arg(&kubelet);
+    match &world {
+        None => {
+            controller_cmd.args(["--node-id", NODE_ID]);
+            node_cmd.args(["--node-id", NODE_ID]);
+        }
+        Some(w) => {
+            controller_cmd
+                .args([
+                    "--backend",
+                    "aws",
+                    "--aws-endpoint-url",
+                    &w.endpoint,
+                    "--default-zone",
+                    "us-east-1a",
+                    "--poll-initial-ms",
+                    "20",
+                ])
+                .envs(AWS_ENV);
+            node_cmd
+                .args([
+                    "--backend",
+                    "aws",
+                    "--node-id",
+                    &w.instance,
+                    "--availability-zone",
+                    "us-east-1a",
+                    "--instance-type",
+                    "m5.large",
+                ])
+                .arg("--by-id-dir")
+                .arg(&w.by_id)
+                .arg("--sys-root")
+                .arg(&w.sys)
+                .args(["--device-wait-seconds", "10"])
+                .envs(AWS_ENV);
+        }
+    }
+    let mut controller = Plugin::start(&mut controller_cmd, &dir.join("controller.log"))?;
+    let mut node = Plugin::start(&mut node_cmd, &dir.join("node.log"))?;
     controller.wait_for_socket(&controller_sock)?;
     node.wait_for_socket(&node_sock)?;
 
@@ -193,9 +342,24 @@ fn run_mode(csi_sanity: &Path, bin_dir: &Path, dir: &Path, mode: &str) -> Result
         .arg(kubelet.join("mnt"))
         .arg("--csi.stagingdir")
         .arg(kubelet.join("staging"))
-        .args(["--csi.testvolumesize", VOLUME_SIZE])
-        .args(["--csi.testvolumeexpandsize", EXPANDED_VOLUME_SIZE])
+        .args([
+            "--csi.testvolumesize",
+            if world.is_some() {
+                AWS_VOLUME_SIZE
+            } else {
+                VOLUME_SIZE
+            },
+        ])
+        .args([
+            "--csi.testvolumeexpandsize",
+            if world.is_some() {
+                AWS_EXPANDED_VOLUME_SIZE
+            } else {
+                EXPANDED_VOLUME_SIZE
+            },
+        ])
         .args(["--csi.testvolumeaccesstype", mode])
+        .args(mutable_parameters(dir, world.is_some())?)
         .arg("--ginkgo.junit-report")
         .arg(dir.join("junit.xml"))
         .arg("--ginkgo.no-color")
@@ -208,9 +372,26 @@ fn run_mode(csi_sanity: &Path, bin_dir: &Path, dir: &Path, mode: &str) -> Result
         summary(&std::fs::read_to_string(&log_path).unwrap_or_default())
     );
 
-    let stopped = [controller.stop(), node.stop()];
+    let stopped = [
+        controller.stop(),
+        node.stop(),
+        world.map_or(Ok(()), AwsWorld::stop),
+    ];
     result?;
     stopped.into_iter().collect()
+}
+
+/// For the aws runs, a VolumeAttributesClass to exercise ControllerModifyVolume for real.
+fn mutable_parameters(dir: &Path, aws: bool) -> Result<Vec<String>> {
+    if !aws {
+        return Ok(vec![]);
+    }
+    let file = dir.join("mutable-parameters.yaml");
+    std::fs::write(&file, "throughput: \"200\"\niops: \"3000\"\n")?;
+    Ok(vec![
+        "--csi.testvolumemutableparameters".into(),
+        file.display().to_string(),
+    ])
 }
 
 fn endpoint(socket: &Path) -> String {

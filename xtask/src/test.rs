@@ -1,8 +1,10 @@
 //! `cargo xtask test`: everything CI checks, in order, on a fresh Debian 12 machine: the tools,
 //! generated code, formatting, clippy, the workspace's tests (in a private mount namespace, as
-//! they mount file systems) and csi-sanity. Stops at the first failing step and names it.
+//! they mount file systems), the Helm chart's rendered manifests and linters (render --check,
+//! lint), csi-sanity, and the container images (release build, assembled twice for
+//! reproducibility, run under podman). Stops at the first failing step and names it.
 
-use crate::{codegen, sanity, tools, util};
+use crate::{codegen, images, lint, render, sanity, tools, util};
 use anyhow::{Context, Result};
 use std::time::Duration;
 
@@ -17,6 +19,11 @@ pub fn run() -> Result<()> {
         tools::csi_sanity().map(drop)
     })?;
     step("codegen --check", || codegen::run(true))?;
+    // The chart and the workflows: deploy/kubernetes matches the chart, then helm lint,
+    // kube-linter and actionlint. The wiring of the rendered objects is checked by the
+    // deploy-check crate's tests, which `cargo test` runs.
+    step("render --check", || render::run(true))?;
+    step("lint", lint::run)?;
     step("fmt", fmt)?;
     step("clippy", || {
         util::run(
@@ -33,22 +40,23 @@ pub fn run() -> Result<()> {
     })?;
     step("build", || {
         util::run(
-            util::cargo().args(["build", "--workspace", "--bins"]),
+            util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
             BUILD_TIMEOUT,
         )
     })?;
     step("cargo test", || {
         let target = util::target_dir();
         let mut cmd = util::unshare(util::cargo().get_program());
-        cmd.args(["test", "--workspace"]);
+        cmd.args(["test", "--profile", util::PROFILE, "--workspace"]);
         util::run_with_test_root(
             &mut cmd,
-            &target.join("debug"),
+            &target.join(util::PROFILE),
             &target.join("test-root"),
             TEST_TIMEOUT,
         )
     })?;
     step("sanity", || sanity::run(false))?;
+    step("images", images::test)?;
     println!("xtask test: all checks passed");
     Ok(())
 }

@@ -17,11 +17,37 @@ pub struct GoTool {
 }
 
 /// Pinned tool versions. Bumping a version installs the new one next to the old in the cache.
-pub const GO_TOOLS: &[GoTool] = &[GoTool {
-    name: "csi-sanity",
-    package: "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity",
-    version: "v5.4.0",
-}];
+pub const GO_TOOLS: &[GoTool] = &[
+    GoTool {
+        name: "csi-sanity",
+        package: "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity",
+        version: "v5.4.0",
+    },
+    // `cargo xtask render` and `lint`: the chart, its rendered manifests and the workflows.
+    GoTool {
+        name: "helm",
+        package: "helm.sh/helm/v3/cmd/helm",
+        version: "v3.21.4",
+    },
+    GoTool {
+        name: "kube-linter",
+        package: "golang.stackrox.io/kube-linter/cmd/kube-linter",
+        version: "v0.8.3",
+    },
+    GoTool {
+        name: "actionlint",
+        package: "github.com/rhysd/actionlint/cmd/actionlint",
+        version: "v1.7.12",
+    },
+];
+
+/// Modules the Go module proxy serves only under another path (their repository's), while
+/// their go.mod declares the vanity path: `go install` cannot fetch them, so they are built in
+/// a throwaway wrapper module that requires the vanity path and replaces it with the source.
+const GO_MODULE_SOURCES: &[(&str, &str)] = &[(
+    "golang.stackrox.io/kube-linter",
+    "github.com/stackrox/kube-linter",
+)];
 
 /// Commands the driver and its tests run, and the Debian 12 package providing each.
 pub const DEBIAN_COMMANDS: &[(&str, &str)] = &[
@@ -37,6 +63,21 @@ pub const DEBIAN_COMMANDS: &[(&str, &str)] = &[
     ("sfdisk", "fdisk"),
     ("df", "coreutils"),
 ];
+
+/// Commands `cargo xtask images --test` runs, and the Debian 12 package providing each: podman
+/// loads and runs the images with runc, skopeo inspects the archives, and a throwaway containerd
+/// imports and runs them as a Kubernetes node would.
+pub const IMAGE_TEST_COMMANDS: &[(&str, &str)] = &[
+    ("podman", "podman"),
+    ("runc", "runc"),
+    ("skopeo", "skopeo"),
+    ("containerd", "containerd"),
+    ("ctr", "containerd"),
+];
+
+/// Commands `cargo xtask lint` runs besides the Go tools: actionlint checks the workflows'
+/// `run:` scripts with shellcheck.
+pub const LINT_COMMANDS: &[(&str, &str)] = &[("shellcheck", "shellcheck")];
 
 const GO_INSTALL_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 const APT_UPDATE_TIMEOUT: Duration = Duration::from_secs(5 * 60);
@@ -86,15 +127,7 @@ pub fn go_tool(name: &str) -> Result<PathBuf> {
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch)
         .with_context(|| format!("cannot create {}", scratch.display()))?;
-    let mut cmd = Command::new(go);
-    cmd.arg("install")
-        .arg(format!("{}@{}", tool.package, tool.version))
-        .env("GOBIN", &scratch)
-        .env("GOFLAGS", "-mod=mod")
-        .env("GOTOOLCHAIN", "local")
-        // Outside the repository, so that no go.mod or go.work can interfere.
-        .current_dir(&tools_dir);
-    let installed = util::run(&mut cmd, GO_INSTALL_TIMEOUT)
+    let installed = build_go_tool(&go, tool, &scratch, &tools_dir)
         .with_context(|| format!("installing {} {}", tool.name, tool.version))
         .and_then(|()| {
             if !scratch.join(tool.name).is_file() {
@@ -119,10 +152,74 @@ pub fn go_tool(name: &str) -> Result<PathBuf> {
     Ok(binary)
 }
 
+/// `go install`s `tool` into `scratch`, or for a module of [`GO_MODULE_SOURCES`] builds it there
+/// in a wrapper module (itself in `scratch`, removed afterwards).
+fn build_go_tool(go: &Path, tool: &GoTool, scratch: &Path, tools_dir: &Path) -> Result<()> {
+    let go_cmd = |dir: &Path| {
+        let mut cmd = Command::new(go);
+        cmd.env("GOFLAGS", "-mod=mod")
+            .env("GOTOOLCHAIN", "local")
+            .current_dir(dir);
+        cmd
+    };
+    let Some((module, source)) = GO_MODULE_SOURCES
+        .iter()
+        .find(|(module, _)| tool.package.starts_with(&format!("{module}/")))
+    else {
+        // Outside the repository, so that no go.mod or go.work can interfere.
+        let mut cmd = go_cmd(tools_dir);
+        cmd.arg("install")
+            .arg(format!("{}@{}", tool.package, tool.version))
+            .env("GOBIN", scratch);
+        return util::run(&mut cmd, GO_INSTALL_TIMEOUT);
+    };
+    let wrapper = scratch.join("wrapper");
+    std::fs::create_dir_all(&wrapper)
+        .with_context(|| format!("cannot create {}", wrapper.display()))?;
+    let v = tool.version;
+    util::run(
+        go_cmd(&wrapper).args(["mod", "init", "ferrovol.invalid/tool-wrapper"]),
+        GO_INSTALL_TIMEOUT,
+    )?;
+    util::run(
+        go_cmd(&wrapper).args([
+            "mod",
+            "edit",
+            &format!("-require={module}@{v}"),
+            &format!("-replace={module}@{v}={source}@{v}"),
+        ]),
+        GO_INSTALL_TIMEOUT,
+    )?;
+    let built = util::run(
+        go_cmd(&wrapper)
+            .arg("build")
+            .arg("-o")
+            .arg(scratch.join(tool.name))
+            .arg(tool.package),
+        GO_INSTALL_TIMEOUT,
+    );
+    let _ = std::fs::remove_dir_all(&wrapper);
+    built
+}
+
 /// Makes sure every command of [`DEBIAN_COMMANDS`] exists, installing the missing ones' packages
 /// with apt-get (which needs root).
 pub fn debian_packages() -> Result<()> {
-    let missing: Vec<&(&str, &str)> = DEBIAN_COMMANDS
+    install_missing(DEBIAN_COMMANDS)
+}
+
+/// [`debian_packages`] for [`IMAGE_TEST_COMMANDS`].
+pub fn image_test_packages() -> Result<()> {
+    install_missing(IMAGE_TEST_COMMANDS)
+}
+
+/// [`debian_packages`] for [`LINT_COMMANDS`].
+pub fn lint_packages() -> Result<()> {
+    install_missing(LINT_COMMANDS)
+}
+
+fn install_missing(table: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&(&str, &str)> = table
         .iter()
         .filter(|(cmd, _)| find_command(cmd, &[]).is_none())
         .collect();
@@ -177,7 +274,7 @@ pub fn debian_packages() -> Result<()> {
 }
 
 /// `$FERROVOL_CACHE`, else `$HOME/.cache/ferrovol`, as an absolute path.
-fn cache_dir() -> Result<PathBuf> {
+pub fn cache_dir() -> Result<PathBuf> {
     let dir = match std::env::var_os("FERROVOL_CACHE").filter(|d| !d.is_empty()) {
         Some(dir) => PathBuf::from(dir),
         None => {
@@ -222,4 +319,43 @@ fn is_root() -> bool {
             .and_then(|ids| ids.split_whitespace().nth(1))
             == Some("0")
     })
+}
+
+/// The moto EC2 emulator the aws backend's tests run against, pinned.
+pub const MOTO_VERSION: &str = "5.2.5";
+
+/// Path of `moto_server` from a virtualenv of its own in the cache (keyed by version), made on
+/// first use with the machine's python3.
+pub fn moto() -> Result<PathBuf> {
+    let venv = cache_dir()?.join(format!("moto-{MOTO_VERSION}"));
+    let server = venv.join("bin/moto_server");
+    if server.is_file() {
+        return Ok(server);
+    }
+    let python = find_command("python3", &[])
+        .context("python3 is needed for the moto EC2 emulator (Debian: python3, python3-venv)")?;
+    println!(
+        "installing moto[server]=={MOTO_VERSION} into {} (once per version)",
+        venv.display()
+    );
+    let _ = std::fs::remove_dir_all(&venv);
+    crate::util::run(
+        Command::new(&python).args(["-m", "venv"]).arg(&venv),
+        Duration::from_secs(5 * 60),
+    )
+    .context("creating the moto virtualenv (on Debian: apt-get install python3-venv)")?;
+    crate::util::run(
+        Command::new(venv.join("bin/pip")).args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            &format!("moto[server]=={MOTO_VERSION}"),
+        ]),
+        GO_INSTALL_TIMEOUT,
+    )
+    .context("installing moto from PyPI")?;
+    if !server.is_file() {
+        bail!("moto installed but {} is missing", server.display());
+    }
+    Ok(server)
 }

@@ -1,3 +1,7 @@
+/// The one build profile tests, csi-sanity, the demo, the benchmark and the images share, so a
+/// cold CI run compiles the workspace (aws-sdk-ec2 above all) once, not once per purpose.
+pub const PROFILE: &str = "release";
+
 use anyhow::{Context, Result, bail};
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -404,6 +408,7 @@ pub fn run_with_test_root(
     fresh_dir(test_root)?;
     cmd.env("FERROVOL_BIN_DIR", bin_dir)
         .env("FERROVOL_TEST_ROOT", test_root)
+        .env("FERROVOL_MOTO", crate::tools::moto()?)
         .env("PATH", path_with_sbin());
     let result = run(cmd, timeout);
     cleanup(test_root);

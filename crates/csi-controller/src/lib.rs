@@ -15,6 +15,90 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
+/// The Node service's NodeGetInfo alone, served by the local backend's csi-controller: with
+/// `--node-deployment`, external-provisioner asks the socket it provisions through which node
+/// it is on. Every other Node RPC belongs to csi-node and is UNIMPLEMENTED here.
+#[derive(Debug, Clone)]
+pub struct NodeInfoOnly {
+    pub node_id: String,
+    pub topology: BTreeMap<String, String>,
+}
+
+fn served_by_csi_node<T>() -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(
+        "served by csi-node, not by the controller's socket",
+    ))
+}
+
+#[tonic::async_trait]
+impl csi_proto::v1::node_server::Node for NodeInfoOnly {
+    async fn node_stage_volume(
+        &self,
+        _r: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        served_by_csi_node()
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        _r: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+        served_by_csi_node()
+    }
+
+    async fn node_publish_volume(
+        &self,
+        _r: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        served_by_csi_node()
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        _r: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+        served_by_csi_node()
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        _r: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+        served_by_csi_node()
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _r: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        served_by_csi_node()
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _r: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(NodeGetCapabilitiesResponse {
+            capabilities: vec![],
+        }))
+    }
+
+    /// MUST identify the node exactly as csi-node does, so the topology external-provisioner
+    /// writes matches what kubelet registered.
+    async fn node_get_info(
+        &self,
+        _r: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
+        Ok(Response::new(NodeGetInfoResponse {
+            node_id: self.node_id.clone(),
+            max_volumes_per_node: 0,
+            accessible_topology: Some(csi_proto::v1::Topology {
+                segments: to_map(&self.topology),
+            }),
+        }))
+    }
+}
+
 pub struct ControllerService<B> {
     backend: Arc<B>,
     locks: Locks,
@@ -654,18 +738,23 @@ impl<B: ControllerBackend> Controller for ControllerService<B> {
                 "ControllerModifyVolume is not supported by this backend",
             ));
         }
-        let mutable = from_map(&req.mutable_parameters);
-        if mutable.is_empty() {
-            return Err(invalid("mutable_parameters is required"));
-        }
-        self.backend
-            .validate_mutable_parameters(&mutable)
-            .map_err(to_status)?;
         if !self.backend.is_volume_id(&req.volume_id) {
             return Err(to_status(Error::NotFound(format!(
                 "volume {} does not exist",
                 req.volume_id
             ))));
+        }
+        // An unknown volume is NOT_FOUND whatever the parameters say.
+        self.backend
+            .get_volume(&req.volume_id)
+            .await
+            .map_err(to_status)?;
+        let mutable = from_map(&req.mutable_parameters);
+        self.backend
+            .validate_mutable_parameters(&mutable)
+            .map_err(to_status)?;
+        if mutable.is_empty() {
+            return Ok(Response::new(ControllerModifyVolumeResponse {}));
         }
         let guard = self.modification_lock(&req.volume_id)?;
         let backend = self.backend.clone();

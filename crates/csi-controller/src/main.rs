@@ -5,9 +5,11 @@ use clap::{Parser, ValueEnum};
 use cloud_backend::aws::{AwsBackend, AwsConfig};
 use cloud_backend::local::{LocalBackend, LocalConfig};
 use cloud_backend::sys::lock::Locks;
-use csi_controller::ControllerService;
+use csi_controller::{ControllerService, NodeInfoOnly};
 use csi_identity::{IdentityService, logging, server};
-use csi_proto::v1::{controller_server::ControllerServer, identity_server::IdentityServer};
+use csi_proto::v1::{
+    controller_server::ControllerServer, identity_server::IdentityServer, node_server::NodeServer,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -124,6 +126,10 @@ async fn run(args: Args) -> Result<()> {
                     "--node-id (or NODE_ID) is required with the local backend: volumes are created on this node"
                 );
             };
+            let node_info = NodeInfoOnly {
+                node_id: node_id.clone(),
+                topology: [(format!("{driver}/node"), node_id.clone())].into(),
+            };
             let backend = LocalBackend::new(LocalConfig {
                 state_dir: args.state_dir.clone(),
                 node_id,
@@ -139,6 +145,7 @@ async fn run(args: Args) -> Result<()> {
                 driver,
                 "local",
                 ControllerService::new(Arc::new(backend), locks),
+                Some(node_info),
             )
             .await
         }
@@ -171,6 +178,7 @@ async fn run(args: Args) -> Result<()> {
                 driver,
                 "aws",
                 ControllerService::new(Arc::new(backend), locks),
+                None,
             )
             .await
         }
@@ -211,6 +219,7 @@ async fn serve<B: cloud_backend::ControllerBackend>(
     driver: String,
     backend: &str,
     controller: ControllerService<B>,
+    node_info: Option<NodeInfoOnly>,
 ) -> Result<()> {
     let identity = IdentityService::new(
         driver.clone(),
@@ -231,6 +240,7 @@ async fn serve<B: cloud_backend::ControllerBackend>(
         .add_service(health_service)
         .add_service(IdentityServer::new(identity))
         .add_service(ControllerServer::new(controller))
+        .add_optional_service(node_info.map(NodeServer::new))
         .serve_with_incoming_shutdown(server::incoming(listener), server::shutdown_signal())
         .await
         .context("serving gRPC")?;

@@ -6,6 +6,7 @@
 //! so a restart, a crash or a reboot between any two steps is repaired by the next call.
 
 pub mod format;
+pub mod kube;
 pub mod mounter;
 pub mod paths;
 pub mod probe;

@@ -71,6 +71,18 @@ struct Args {
     #[arg(long, env = "FERROVOL_DEVICE_WAIT_SECONDS", default_value_t = 30)]
     device_wait_seconds: u64,
 
+    /// Remove this taint from the Node once kubelet lists the driver in its CSINode (e.g.
+    /// local.csi.ferrovol.dev/agent-not-ready), so pods needing a volume wait for the plugin.
+    /// Needs --kube-node-name and RBAC get on csinodes, get/patch on nodes.
+    #[arg(long, env = "FERROVOL_STARTUP_TAINT")]
+    remove_taint: Option<String>,
+
+    /// This node's Kubernetes name (the downward API's spec.nodeName), for the startup taint
+    /// and, with aws, the identity fallback from the Node object when instance metadata is
+    /// unreachable.
+    #[arg(long, env = "NODE_NAME")]
+    kube_node_name: Option<String>,
+
     /// Serve Prometheus metrics on this address (e.g. 0.0.0.0:8081); off when unset.
     #[arg(long, env = "FERROVOL_METRICS_ADDRESS")]
     metrics_address: Option<std::net::SocketAddr>,
@@ -154,6 +166,7 @@ async fn run(args: Args) -> Result<()> {
                 multi_node: false,
             };
             let node = NodeService::new(backend, SysMounter, kubelet, locks, intents, cfg);
+            spawn_taint_removal(&args, &driver)?;
             serve(&socket, driver, "local", node).await
         }
         Backend::Aws => {
@@ -189,9 +202,26 @@ async fn run(args: Args) -> Result<()> {
             };
             tracing::info!(instance = %meta.instance_id, zone = %meta.zone, instance_type = %meta.instance_type, max_volumes, "node identity");
             let node = NodeService::new(backend, SysMounter, kubelet, locks, intents, cfg);
+            spawn_taint_removal(&args, &driver)?;
             serve(&socket, driver, "aws", node).await
         }
     }
+}
+
+/// Starts removing the startup taint in the background, when asked to.
+fn spawn_taint_removal(args: &Args, driver: &str) -> Result<()> {
+    let Some(key) = args.remove_taint.clone().filter(|k| !k.is_empty()) else {
+        return Ok(());
+    };
+    let Some(node) = args.kube_node_name.clone().filter(|n| !n.is_empty()) else {
+        bail!("--remove-taint needs --kube-node-name (or NODE_NAME from the downward API)");
+    };
+    tokio::spawn(csi_node::kube::remove_startup_taint(
+        node,
+        driver.to_string(),
+        key,
+    ));
+    Ok(())
 }
 
 /// The instance's identity: flags first, then instance metadata (IMDSv2) for what is missing.
@@ -217,9 +247,24 @@ async fn aws_identity(args: &Args) -> Result<InstanceMetadata> {
                 meta.interfaces = imds.interfaces;
             }
             Err(e) if meta.instance_id.is_empty() || meta.zone.is_empty() => {
-                bail!(
-                    "cannot tell which instance this is: {e}; pass --node-id and --availability-zone (or NODE_ID and FERROVOL_AVAILABILITY_ZONE)"
-                );
+                let Some(node) = args.kube_node_name.as_deref() else {
+                    bail!(
+                        "cannot tell which instance this is: {e}; pass --node-id and --availability-zone (or NODE_ID and FERROVOL_AVAILABILITY_ZONE)"
+                    );
+                };
+                tracing::warn!(error = %e, "instance metadata unreachable; reading the identity from the Node object");
+                let (id, zone, itype) = csi_node::kube::aws_identity_from_node(node)
+                    .await
+                    .with_context(|| format!("instance metadata is unreachable ({e}) and so is the identity of Node {node}"))?;
+                for (mine, theirs) in [
+                    (&mut meta.instance_id, id),
+                    (&mut meta.zone, zone),
+                    (&mut meta.instance_type, itype),
+                ] {
+                    if mine.is_empty() {
+                        *mine = theirs;
+                    }
+                }
             }
             Err(e) => {
                 tracing::warn!(error = %e, "instance metadata unreachable; using the flags given")

@@ -20,6 +20,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
+pub mod aws;
+
 pub use csi_proto::v1;
 
 pub const MIB: i64 = 1 << 20;
@@ -76,6 +78,17 @@ pub struct Options {
     pub node_extra_args: Vec<String>,
     pub controller_extra_args: Vec<String>,
     pub log_level: String,
+    /// Run the aws backend against this emulator and hypervisor stand-in instead of local.
+    pub aws: Option<AwsTarget>,
+}
+
+/// Where the aws backend's plugins find their cloud and their devices in a test.
+#[derive(Debug, Clone)]
+pub struct AwsTarget {
+    pub endpoint: String,
+    pub instance_id: String,
+    pub by_id: PathBuf,
+    pub sys: PathBuf,
 }
 
 impl Default for Options {
@@ -84,6 +97,7 @@ impl Default for Options {
             node_extra_args: vec![],
             controller_extra_args: vec![],
             log_level: "info".into(),
+            aws: None,
         }
     }
 }
@@ -236,32 +250,56 @@ impl Harness {
                 "--endpoint=unix://{}",
                 root.join("controller.sock").display()
             ),
-            format!("--node-id={NODE_ID}"),
             format!("--state-dir={}", state.display()),
             format!("--log-level={}", opts.log_level),
         ];
-        c_args.extend(opts.controller_extra_args);
         let mut n_args = vec![
             format!("--endpoint=unix://{}", root.join("node.sock").display()),
-            format!("--node-id={NODE_ID}"),
             format!("--state-dir={}", state.display()),
             format!("--kubelet-dir={}", kubelet.display()),
             format!("--log-level={}", opts.log_level),
         ];
+        let mut env = vec![("NO_COLOR".to_string(), "1".to_string())];
+        match &opts.aws {
+            None => {
+                c_args.push(format!("--node-id={NODE_ID}"));
+                n_args.push(format!("--node-id={NODE_ID}"));
+            }
+            Some(t) => {
+                c_args.extend([
+                    "--backend=aws".to_string(),
+                    format!("--aws-endpoint-url={}", t.endpoint),
+                    format!("--default-zone={}", aws::ZONE),
+                    "--poll-initial-ms=20".to_string(),
+                    "--cloud-check-seconds=1".to_string(),
+                ]);
+                n_args.extend([
+                    "--backend=aws".to_string(),
+                    format!("--node-id={}", t.instance_id),
+                    format!("--availability-zone={}", aws::ZONE),
+                    "--instance-type=m5.large".to_string(),
+                    format!("--by-id-dir={}", t.by_id.display()),
+                    format!("--sys-root={}", t.sys.display()),
+                    "--device-wait-seconds=10".to_string(),
+                ]);
+                env.extend(aws::env());
+            }
+        }
+        c_args.extend(opts.controller_extra_args);
         n_args.extend(opts.node_extra_args);
         let controller = Plugin::spawn(
             bins.join("csi-controller"),
             root.join("controller.sock"),
             root.join("controller.log"),
             c_args,
-            vec![],
+            env.clone(),
         )?;
         let node = Plugin::spawn(
             bins.join("csi-node"),
             root.join("node.sock"),
             root.join("node.log"),
             n_args,
-            vec![],
+            env,
         )?;
         Ok(Harness {
             root,

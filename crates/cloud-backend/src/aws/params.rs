@@ -256,7 +256,8 @@ pub fn iops(p: &VolumeParams, gib: u64) -> Result<Option<u64>> {
     let Some((min, max, per_gib)) = l.iops else {
         return Ok(None);
     };
-    let ceiling = max.min(per_gib * gib);
+    // The per-GiB ratio limits IOPS above the type's baseline (gp3 gives 3000 at any size).
+    let ceiling = max.min(min.max(per_gib * gib));
     match (p.iops, p.iops_per_gb) {
         (Some(i), _) => {
             if i < min || i > ceiling {

@@ -24,7 +24,7 @@ async fn a_stage_cut_short_by_its_deadline_still_formats_once() -> anyhow::Resul
     let cap = mount_capability("xfs");
     // A large xfs volume: mkfs writes headers across many allocation groups and takes a while.
     let id = ctrl
-        .create_volume(create_request("pvc-cancel", 64 * 1024 * MIB, cap.clone()))
+        .create_volume(create_request("pvc-cancel", 8 * 1024 * MIB, cap.clone()))
         .await?
         .into_inner()
         .volume
