@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
 pub mod aws;
+pub mod faultproxy;
 
 pub use csi_proto::v1;
 

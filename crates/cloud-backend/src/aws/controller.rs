@@ -31,6 +31,10 @@ struct Inner {
     reserved: Mutex<HashMap<String, HashMap<String, String>>>,
 }
 
+/// How long a volume CreateVolume answered with may stay invisible to DescribeVolumes before
+/// it counts as gone.
+const VISIBILITY_GRACE: Duration = Duration::from_secs(10);
+
 fn filter(name: &str, values: Vec<String>) -> Filter {
     Filter::builder()
         .name(name)
@@ -50,7 +54,18 @@ fn tag_value<'a>(tags: &'a [Tag], key: &str) -> Option<&'a str> {
 
 /// A CSI name → EC2 ClientToken (at most 64 characters).
 pub fn client_token(name: &str) -> String {
-    hex::encode(Sha256::digest(name.as_bytes()))
+    client_token_generation(name, 0)
+}
+
+/// The ClientToken of `name` after `generation` tokens were found burnt. Generation 0 is the
+/// plain digest of the name, so a controller restarted mid-create sends the same token again.
+fn client_token_generation(name: &str, generation: u32) -> String {
+    let mut h = Sha256::new();
+    h.update(name.as_bytes());
+    if generation > 0 {
+        h.update(format!("\0{generation}").as_bytes());
+    }
+    hex::encode(h.finalize())
 }
 
 impl AwsBackend {
@@ -153,14 +168,7 @@ impl AwsBackend {
             self.inner
                 .ec2
                 .describe_volumes()
-                .filters(filter(
-                    &format!("tag:{VOLUME_NAME_TAG}"),
-                    vec![name.to_string()],
-                ))
-                .filters(filter(
-                    &format!("tag:{CLUSTER_TAG}"),
-                    vec![self.inner.cfg.cluster_id.clone()],
-                ))
+                .set_filters(Some(self.name_filters(VOLUME_NAME_TAG, name)))
                 .send(),
         )
         .await?;
@@ -240,9 +248,13 @@ impl AwsBackend {
     /// Polls (through the batcher) until the volume reaches `want`, with a bounded backoff.
     async fn wait_state(&self, id: &str, want: VolumeState) -> Result<aws_sdk_ec2::types::Volume> {
         let mut delay = self.inner.cfg.poll_initial;
-        let deadline = Instant::now() + Duration::from_secs(300);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(300);
         loop {
             match self.inner.volumes.get(id).await? {
+                // EC2 is eventually consistent: a volume CreateVolume just answered with may
+                // not be listed for a few seconds.
+                None if start.elapsed() < VISIBILITY_GRACE => {}
                 Some(v) if v.state() == Some(&want) => return Ok(v),
                 Some(v) if v.state() == Some(&VolumeState::Error) => {
                     return Err(Error::Internal(format!(
@@ -413,6 +425,22 @@ impl AwsBackend {
         Ok(())
     }
 
+    /// Only what this driver instance manages: the cluster tag.
+    fn cluster_filter(&self) -> Filter {
+        filter(
+            &format!("tag:{CLUSTER_TAG}"),
+            vec![self.inner.cfg.cluster_id.clone()],
+        )
+    }
+
+    /// What was created for the CSI name `name` (under `name_tag`) by this driver instance.
+    fn name_filters(&self, name_tag: &str, name: &str) -> Vec<Filter> {
+        vec![
+            filter(&format!("tag:{name_tag}"), vec![name.to_string()]),
+            self.cluster_filter(),
+        ]
+    }
+
     fn tag_specs(
         &self,
         resource: ResourceType,
@@ -436,14 +464,7 @@ impl AwsBackend {
             self.inner
                 .ec2
                 .describe_snapshots()
-                .filters(filter(
-                    &format!("tag:{SNAPSHOT_NAME_TAG}"),
-                    vec![name.to_string()],
-                ))
-                .filters(filter(
-                    &format!("tag:{CLUSTER_TAG}"),
-                    vec![self.inner.cfg.cluster_id.clone()],
-                ))
+                .set_filters(Some(self.name_filters(SNAPSHOT_NAME_TAG, name)))
                 .send(),
         )
         .await?;
@@ -709,44 +730,69 @@ impl ControllerBackend for AwsBackend {
                 extra.insert(key.to_string(), v.clone());
             }
         }
-        let created = call(
-            "CreateVolume",
-            self.inner
-                .ec2
-                .create_volume()
-                .availability_zone(&zone)
-                .size(gib as i32)
-                .volume_type(VolumeType::from(p.volume_type.as_str()))
-                .set_iops(iops.map(|i| i as i32))
-                .set_throughput(throughput.map(|t| t as i32))
-                .encrypted(p.encrypted)
-                .set_kms_key_id(p.kms_key_id.clone())
-                .set_snapshot_id(snapshot.clone())
-                .client_token(client_token(&req.name))
-                .tag_specifications(self.tag_specs(
-                    ResourceType::Volume,
-                    VOLUME_NAME_TAG,
-                    &req.name,
-                    &extra,
-                ))
-                .send(),
-        )
-        .await;
-        let id = match created {
-            Ok(out) => out.volume_id().unwrap_or_default().to_string(),
-            Err(e) => {
-                // The call may have created the volume before failing (a timeout, a dropped
-                // answer, a token reused with other parameters): look before reporting, so a
-                // retry finds it instead of leaking it.
-                if let Ok(Some(v)) = self.find_by_name(&req.name).await {
-                    return self.existing(v, &req, &p).await;
+        let tags = self.tag_specs(ResourceType::Volume, VOLUME_NAME_TAG, &req.name, &extra);
+        // Which ClientToken to send: bumped when EC2 says the current one is burnt (used
+        // earlier with other parameters, or answering with a volume that no longer exists).
+        let mut generation = 0;
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let created = call(
+                "CreateVolume",
+                self.inner
+                    .ec2
+                    .create_volume()
+                    .availability_zone(&zone)
+                    .size(gib as i32)
+                    .volume_type(VolumeType::from(p.volume_type.as_str()))
+                    .set_iops(iops.map(|i| i as i32))
+                    .set_throughput(throughput.map(|t| t as i32))
+                    .encrypted(p.encrypted)
+                    .set_kms_key_id(p.kms_key_id.clone())
+                    .set_snapshot_id(snapshot.clone())
+                    .client_token(client_token_generation(&req.name, generation))
+                    .tag_specifications(tags.clone())
+                    .customize()
+                    .config_override(without_sdk_retries())
+                    .send(),
+            )
+            .await;
+            let failure = match created {
+                Ok(out) => {
+                    let id = out.volume_id().unwrap_or_default().to_string();
+                    match self.wait_state(&id, VolumeState::Available).await {
+                        Ok(v) => {
+                            tracing::info!(volume_id = %id, name = %req.name, gib, zone = %zone, attempt, "created EBS volume");
+                            return Ok(self.to_volume(&v));
+                        }
+                        Err(Error::NotFound(m)) => Error::AlreadyExists(m),
+                        Err(e) => return Err(e),
+                    }
                 }
-                return Err(e);
+                Err(e) => e,
+            };
+            // The call may have created the volume before failing (a dropped answer, a
+            // timeout): look before anything else, so that neither the retry below nor the
+            // CO's retry makes a second one.
+            if let Some(v) = self.find_by_name(&req.name).await? {
+                return self.existing(v, &req, &p).await;
             }
-        };
-        let v = self.wait_state(&id, VolumeState::Available).await?;
-        tracing::info!(volume_id = %id, name = %req.name, gib, zone = %zone, "created EBS volume");
-        Ok(self.to_volume(&v))
+            match failure {
+                // IdempotentParameterMismatch, or a token that named a deleted volume: nothing
+                // of this name exists (looked up just now), so the token is someone else's
+                // history. A fresh one is safe.
+                Error::AlreadyExists(m) if generation < 2 => {
+                    tracing::warn!(name = %req.name, generation, "ClientToken burnt ({m}); retrying with a new one");
+                    generation += 1;
+                }
+                e @ Error::Unavailable(_) if attempt < CREATE_ATTEMPTS => {
+                    let pause = create_backoff(attempt);
+                    tracing::warn!(name = %req.name, attempt, ?pause, "CreateVolume failed: {e}; retrying");
+                    tokio::time::sleep(pause).await;
+                }
+                e => return Err(e),
+            }
+        }
     }
 
     async fn delete_volume(&self, id: &str) -> Result<()> {
@@ -787,10 +833,7 @@ impl ControllerBackend for AwsBackend {
                 self.inner
                     .ec2
                     .describe_volumes()
-                    .filters(filter(
-                        &format!("tag:{CLUSTER_TAG}"),
-                        vec![self.inner.cfg.cluster_id.clone()],
-                    ))
+                    .filters(self.cluster_filter())
                     .max_results(500)
                     .set_next_token(next)
                     .send(),
@@ -903,38 +946,52 @@ impl ControllerBackend for AwsBackend {
                 "source volume {source_volume_id} does not exist"
             )));
         }
-        let created = call(
-            "CreateSnapshot",
-            self.inner
-                .ec2
-                .create_snapshot()
-                .volume_id(source_volume_id)
-                .description(format!("Created by ferrovol for {name}"))
-                .tag_specifications(self.tag_specs(
-                    ResourceType::Snapshot,
-                    SNAPSHOT_NAME_TAG,
-                    name,
-                    &extra,
-                ))
-                .send(),
-        )
-        .await;
-        match created {
-            Ok(out) => Ok(Snapshot {
-                id: out.snapshot_id().unwrap_or_default().to_string(),
-                name: name.to_string(),
-                source_volume_id: source_volume_id.to_string(),
-                size_bytes: out.volume_size().unwrap_or(0) as u64 * GIB,
-                created_at: out
-                    .start_time()
-                    .map(|t| (t.secs(), t.subsec_nanos() as i32))
-                    .unwrap_or((0, 0)),
-                ready: out.state() == Some(&SnapshotState::Completed),
-            }),
-            Err(e) => match self.snapshot_by_name(name).await {
-                Ok(Some(s)) => Ok(to_snapshot(&s)),
-                _ => Err(e),
-            },
+        let tags = self.tag_specs(ResourceType::Snapshot, SNAPSHOT_NAME_TAG, name, &extra);
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let created = call(
+                "CreateSnapshot",
+                self.inner
+                    .ec2
+                    .create_snapshot()
+                    .volume_id(source_volume_id)
+                    .description(format!("Created by ferrovol for {name}"))
+                    .tag_specifications(tags.clone())
+                    .customize()
+                    .config_override(without_sdk_retries())
+                    .send(),
+            )
+            .await;
+            let e = match created {
+                Ok(out) => {
+                    return Ok(Snapshot {
+                        id: out.snapshot_id().unwrap_or_default().to_string(),
+                        name: name.to_string(),
+                        source_volume_id: source_volume_id.to_string(),
+                        size_bytes: out.volume_size().unwrap_or(0) as u64 * GIB,
+                        created_at: out
+                            .start_time()
+                            .map(|t| (t.secs(), t.subsec_nanos() as i32))
+                            .unwrap_or((0, 0)),
+                        ready: out.state() == Some(&SnapshotState::Completed),
+                    });
+                }
+                Err(e) => e,
+            };
+            // CreateSnapshot has no ClientToken: the name tag is the only way to tell whether
+            // a call whose answer was lost took effect.
+            if let Some(s) = self.snapshot_by_name(name).await? {
+                return Ok(to_snapshot(&s));
+            }
+            match e {
+                Error::Unavailable(_) if attempt < CREATE_ATTEMPTS => {
+                    let pause = create_backoff(attempt);
+                    tracing::warn!(%name, attempt, ?pause, "CreateSnapshot failed: {e}; retrying");
+                    tokio::time::sleep(pause).await;
+                }
+                e => return Err(e),
+            }
         }
     }
 
@@ -966,10 +1023,11 @@ impl ControllerBackend for AwsBackend {
                 next: None,
             });
         }
-        let mut req = self.inner.ec2.describe_snapshots().filters(filter(
-            &format!("tag:{CLUSTER_TAG}"),
-            vec![self.inner.cfg.cluster_id.clone()],
-        ));
+        let mut req = self
+            .inner
+            .ec2
+            .describe_snapshots()
+            .filters(self.cluster_filter());
         if let Some(s) = &f.snapshot_id {
             req = req.filters(filter("snapshot-id", vec![s.clone()]));
         }

@@ -103,6 +103,29 @@ pub async fn ec2_client(cfg: &AwsConfig) -> aws_sdk_ec2::Client {
     aws_sdk_ec2::Client::from_conf(builder.build())
 }
 
+/// A per-call override that turns the SDK's retries off. CreateVolume and CreateSnapshot use it:
+/// a retry after a lost answer would make a second volume wherever the ClientToken is not
+/// honoured (emulators; CreateSnapshot has no token at all), so those calls go out once per
+/// attempt and the driver retries them itself, looking the name up in between.
+pub(crate) fn without_sdk_retries() -> aws_sdk_ec2::config::Builder {
+    aws_sdk_ec2::config::Builder::default().retry_config(aws_config::retry::RetryConfig::disabled())
+}
+
+/// Attempts of a create whose failure may be transient (throttling, 5xx, a lost answer).
+pub(crate) const CREATE_ATTEMPTS: u32 = 6;
+
+/// The pause before create attempt `attempt` (1-based): exponential from 250 ms, capped at 8 s,
+/// with up to 50% jitter so that throttled callers do not come back in step.
+pub(crate) fn create_backoff(attempt: u32) -> Duration {
+    let base = Duration::from_millis(250) * 2u32.saturating_pow(attempt.saturating_sub(1));
+    let base = base.min(Duration::from_secs(8));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    base + base.mul_f64(f64::from(nanos % 1000) / 2000.0)
+}
+
 /// Runs one EC2 call, recording its duration, errors and throttles, and maps its error.
 pub(crate) async fn call<T, E, R>(
     op: &'static str,

@@ -6,22 +6,31 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use test_support::aws::{self, Hypervisor, Moto};
+use test_support::faultproxy::FaultProxy;
 use test_support::v1::*;
 use test_support::*;
 use tonic::Code;
 
 const GIB: i64 = 1 << 30;
 
-struct World {
-    h: Harness,
-    ec2: aws_sdk_ec2::Client,
-    instance: String,
-    hv: Hypervisor,
-    metrics: std::net::SocketAddr,
+pub(crate) struct World {
+    pub h: Harness,
+    /// Straight to the emulator, bypassing any fault proxy: what the tests check with.
+    pub ec2: aws_sdk_ec2::Client,
+    pub instance: String,
+    pub hv: Hypervisor,
+    pub metrics: std::net::SocketAddr,
+    /// Between the driver and the emulator, when the world was made with one.
+    pub proxy: Option<FaultProxy>,
     _moto: Moto,
 }
 
 async fn world(name: &str) -> anyhow::Result<World> {
+    world_with(name, false).await
+}
+
+/// A world whose driver talks to the emulator through a [`FaultProxy`] when `proxied`.
+pub(crate) async fn world_with(name: &str, proxied: bool) -> anyhow::Result<World> {
     require_private_mount_namespace();
     let root = std::env::var_os("FERROVOL_TEST_ROOT")
         .map(std::path::PathBuf::from)
@@ -33,8 +42,15 @@ async fn world(name: &str) -> anyhow::Result<World> {
     let instance = aws::run_instance(&ec2, aws::ZONE).await?;
     let hv = Hypervisor::start(ec2.clone(), instance.clone(), &root.join("hypervisor"))?;
     let metrics: std::net::SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let proxy = if proxied {
+        Some(FaultProxy::start(&moto.endpoint)?)
+    } else {
+        None
+    };
     let target = AwsTarget {
-        endpoint: moto.endpoint.clone(),
+        endpoint: proxy
+            .as_ref()
+            .map_or_else(|| moto.endpoint.clone(), |p| p.endpoint.clone()),
         instance_id: instance.clone(),
         by_id: hv.by_id.clone(),
         sys: hv.sys.clone(),
@@ -53,6 +69,7 @@ async fn world(name: &str) -> anyhow::Result<World> {
         instance,
         hv,
         metrics,
+        proxy,
         _moto: moto,
     })
 }
@@ -74,7 +91,7 @@ fn counter(text: &str, name: &str, needle: &str) -> u64 {
         .sum()
 }
 
-fn zone_topology() -> TopologyRequirement {
+pub(crate) fn zone_topology() -> TopologyRequirement {
     let t = Topology {
         segments: HashMap::from([(cloud_backend_zone_key(), aws::ZONE.to_string())]),
     };
@@ -88,7 +105,7 @@ fn cloud_backend_zone_key() -> String {
     "topology.kubernetes.io/zone".to_string()
 }
 
-async fn describe(ec2: &aws_sdk_ec2::Client, id: &str) -> aws_sdk_ec2::types::Volume {
+pub(crate) async fn describe(ec2: &aws_sdk_ec2::Client, id: &str) -> aws_sdk_ec2::types::Volume {
     ec2.describe_volumes()
         .volume_ids(id)
         .send()
@@ -98,7 +115,7 @@ async fn describe(ec2: &aws_sdk_ec2::Client, id: &str) -> aws_sdk_ec2::types::Vo
         .clone()
 }
 
-fn tags(v: &aws_sdk_ec2::types::Volume) -> HashMap<String, String> {
+pub(crate) fn tags(v: &aws_sdk_ec2::types::Volume) -> HashMap<String, String> {
     v.tags()
         .iter()
         .map(|t| {

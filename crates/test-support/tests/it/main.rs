@@ -2,6 +2,7 @@
 //! included), and one link instead of nine keeps the shared release build quick.
 
 mod aws;
+mod aws_faults;
 mod bad_input;
 mod cancellation;
 mod confinement;
