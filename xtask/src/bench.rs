@@ -6,7 +6,6 @@ use crate::{tools, util};
 use anyhow::{Context, Result};
 use std::time::Duration;
 
-const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const BENCH_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 pub fn run(args: &[String]) -> Result<()> {
@@ -17,7 +16,7 @@ pub fn run(args: &[String]) -> Result<()> {
     tools::debian_packages()?;
     util::run(
         util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
-        BUILD_TIMEOUT,
+        util::BUILD_TIMEOUT,
     )
     .context("building the driver binaries (release)")?;
     let target = util::target_dir();

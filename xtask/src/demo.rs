@@ -6,14 +6,13 @@ use crate::{tools, util};
 use anyhow::{Context, Result};
 use std::time::Duration;
 
-const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const DEMO_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 pub fn run() -> Result<()> {
     tools::debian_packages()?;
     util::run(
         util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
-        BUILD_TIMEOUT,
+        util::BUILD_TIMEOUT,
     )
     .context("building the driver binaries")?;
     let target = util::target_dir();

@@ -58,7 +58,6 @@ const NONROOT: u32 = 65532;
 const PATH_ENV: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 const MIB: u64 = 1 << 20;
 
-const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const APT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 const DPKG_TIMEOUT: Duration = Duration::from_secs(2 * 60);
 const QUICK_TIMEOUT: Duration = Duration::from_secs(30);
@@ -160,6 +159,13 @@ pub fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Builds both images as `cargo xtask images` does and returns their archives
+/// (`target/images/<name>.tar`, tagged `ghcr.io/ferrovol/<name>:<appVersion>`): `cargo xtask e2e`
+/// imports them into its cluster.
+pub(crate) fn build_archives() -> Result<Vec<PathBuf>> {
+    Ok(build(false)?.into_iter().map(|b| b.archive).collect())
+}
+
 /// The step of `cargo xtask test`: build both images (and the release binaries, once), then run
 /// them under podman.
 pub fn test() -> Result<()> {
@@ -204,7 +210,7 @@ fn build(update_lock: bool) -> Result<Vec<Built>> {
     let _lock = lock(&target.join(format!("{OUT_DIR}-build.lock")))?;
     util::run(
         util::cargo().args(["build", "--profile", PROFILE, "--workspace", "--bins"]),
-        BUILD_TIMEOUT,
+        util::BUILD_TIMEOUT,
     )
     .with_context(|| format!("building the driver binaries (profile {PROFILE})"))?;
     let bin_dir = target.join(PROFILE);
@@ -1138,53 +1144,17 @@ fn write_image(
             .collect::<Vec<_>>()
             .join(","),
     );
-    let manifest = format!(
-        r#"{{"schemaVersion":2,"mediaType":{},"config":{},"layers":[{}],"annotations":{}}}"#,
-        json_str(MANIFEST_TYPE),
-        descriptor(CONFIG_TYPE, config.as_bytes()),
-        layers
-            .iter()
-            .map(|(_, data)| descriptor(LAYER_TYPE, data))
-            .collect::<Vec<_>>()
-            .join(","),
-        labels_json,
-    );
-    let manifest_digest = format!("sha256:{}", sha256_hex(manifest.as_bytes()));
-    let config_digest = format!("sha256:{}", sha256_hex(config.as_bytes()));
-    // Annotated as Docker 25's `docker save` does, which containerd, podman and skopeo all read:
-    // the full name for containerd and podman, the tag as the OCI reference name.
-    let index = format!(
-        r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{{"mediaType":{},"digest":{},"size":{},"annotations":{{"io.containerd.image.name":{},"org.opencontainers.image.ref.name":{}}}}}]}}"#,
-        json_str(MANIFEST_TYPE),
-        json_str(&manifest_digest),
-        manifest.len(),
-        json_str(&reference),
-        json_str(&meta.version),
-    );
-    let blob_path = |digest: &str| format!("blobs/sha256/{}", digest.trim_start_matches("sha256:"));
-    // docker-archive's manifest, pointing at the same blobs.
-    let docker_manifest = format!(
-        r#"[{{"Config":{},"RepoTags":[{}],"Layers":[{}]}}]"#,
-        json_str(&blob_path(&config_digest)),
-        json_str(&reference),
-        layer_digests
-            .iter()
-            .map(|d| json_str(&blob_path(d)))
-            .collect::<Vec<_>>()
-            .join(","),
-    );
-
-    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
-    for (digest, (_, data)) in layer_digests.iter().zip(layers) {
-        files.insert(blob_path(digest), data.clone());
-    }
-    files.insert(blob_path(&config_digest), config.into_bytes());
-    files.insert(blob_path(&manifest_digest), manifest.into_bytes());
-    files.insert("index.json".into(), index.into_bytes());
-    files.insert("manifest.json".into(), docker_manifest.into_bytes());
-    files.insert(
-        "oci-layout".into(),
-        br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
+    let layer_data: Vec<&[u8]> = layers.iter().map(|(_, data)| data.as_slice()).collect();
+    let OciFiles {
+        files,
+        manifest_digest,
+        config_digest,
+    } = oci_files(
+        &reference,
+        &meta.version,
+        &config,
+        &layer_data,
+        &labels_json,
     );
 
     let layout = out.join(spec.name);
@@ -1224,6 +1194,149 @@ fn write_image(
         archive_sha256: sha256_hex(&archive_bytes),
         packages,
     })
+}
+
+/// The files of an OCI image layout (plus a docker-archive `manifest.json` pointing at the same
+/// blobs) for one image: `config` is its config JSON, `annotations` a JSON object for the
+/// manifest, `tag` the OCI reference name.
+struct OciFiles {
+    files: BTreeMap<String, Vec<u8>>,
+    manifest_digest: String,
+    config_digest: String,
+}
+
+fn oci_files(
+    reference: &str,
+    tag: &str,
+    config: &str,
+    layers: &[&[u8]],
+    annotations: &str,
+) -> OciFiles {
+    let layer_digests: Vec<String> = layers
+        .iter()
+        .map(|data| format!("sha256:{}", sha256_hex(data)))
+        .collect();
+    let manifest = format!(
+        r#"{{"schemaVersion":2,"mediaType":{},"config":{},"layers":[{}],"annotations":{}}}"#,
+        json_str(MANIFEST_TYPE),
+        descriptor(CONFIG_TYPE, config.as_bytes()),
+        layers
+            .iter()
+            .map(|data| descriptor(LAYER_TYPE, data))
+            .collect::<Vec<_>>()
+            .join(","),
+        annotations,
+    );
+    let manifest_digest = format!("sha256:{}", sha256_hex(manifest.as_bytes()));
+    let config_digest = format!("sha256:{}", sha256_hex(config.as_bytes()));
+    // Annotated as Docker 25's `docker save` does, which containerd, podman and skopeo all read:
+    // the full name for containerd and podman, the tag as the OCI reference name.
+    let index = format!(
+        r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[{{"mediaType":{},"digest":{},"size":{},"annotations":{{"io.containerd.image.name":{},"org.opencontainers.image.ref.name":{}}}}}]}}"#,
+        json_str(MANIFEST_TYPE),
+        json_str(&manifest_digest),
+        manifest.len(),
+        json_str(reference),
+        json_str(tag),
+    );
+    let blob_path = |digest: &str| format!("blobs/sha256/{}", digest.trim_start_matches("sha256:"));
+    // docker-archive's manifest, pointing at the same blobs.
+    let docker_manifest = format!(
+        r#"[{{"Config":{},"RepoTags":[{}],"Layers":[{}]}}]"#,
+        json_str(&blob_path(&config_digest)),
+        json_str(reference),
+        layer_digests
+            .iter()
+            .map(|d| json_str(&blob_path(d)))
+            .collect::<Vec<_>>()
+            .join(","),
+    );
+
+    let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    for (digest, data) in layer_digests.iter().zip(layers) {
+        files.insert(blob_path(digest), data.to_vec());
+    }
+    files.insert(blob_path(&config_digest), config.as_bytes().to_vec());
+    files.insert(blob_path(&manifest_digest), manifest.into_bytes());
+    files.insert("index.json".into(), index.into_bytes());
+    files.insert("manifest.json".into(), docker_manifest.into_bytes());
+    files.insert(
+        "oci-layout".into(),
+        br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
+    );
+    OciFiles {
+        files,
+        manifest_digest,
+        config_digest,
+    }
+}
+
+/// What goes into a [`write_simple_image`] layer at one absolute path.
+pub enum SimpleEntry {
+    /// A file copied from the host, with this mode.
+    Host(PathBuf, u32),
+    /// A file with these contents and this mode.
+    Bytes(Vec<u8>, u32),
+    Symlink(String),
+    Dir(u32),
+}
+
+/// Writes `archive`: a one-layer image named `reference` (`ctr images import` and `podman load`
+/// read it) holding `files`, with `entrypoint` (may be empty) and every mtime 0. For test
+/// infrastructure such as `cargo xtask cluster`'s pause, busybox and sidecar images.
+pub fn write_simple_image(
+    reference: &str,
+    entrypoint: &[&str],
+    files: &[(String, SimpleEntry)],
+    archive: &Path,
+) -> Result<()> {
+    let mut tree = Tree::default();
+    for (path, entry) in files {
+        let entry = match entry {
+            SimpleEntry::Host(from, mode) => Entry::File {
+                source: Source::Host(from.clone()),
+                mode: *mode,
+            },
+            SimpleEntry::Bytes(data, mode) => Entry::File {
+                source: Source::Bytes(data.clone()),
+                mode: *mode,
+            },
+            SimpleEntry::Symlink(target) => Entry::Symlink(target.clone()),
+            SimpleEntry::Dir(mode) => Entry::Dir {
+                mode: *mode,
+                uid: 0,
+            },
+        };
+        tree.insert(path, entry, None)?;
+    }
+    let layer = tree.layer(0)?;
+    let created = rfc3339(0);
+    let entrypoint = if entrypoint.is_empty() {
+        String::new()
+    } else {
+        let args: Vec<String> = entrypoint.iter().map(|a| json_str(a)).collect();
+        format!(r#""Entrypoint":[{}],"#, args.join(","))
+    };
+    let config = format!(
+        r#"{{"architecture":{},"config":{{{entrypoint}"Env":[{}],"WorkingDir":"/"}},"created":{},"history":[{{"created":{},"created_by":"cargo xtask"}}],"os":"linux","rootfs":{{"diff_ids":[{}],"type":"layers"}}}}"#,
+        json_str(oci_architecture()?),
+        json_str(PATH_ENV),
+        json_str(&created),
+        json_str(&created),
+        json_str(&format!("sha256:{}", sha256_hex(&layer))),
+    );
+    let tag = reference.rsplit_once(':').map_or("latest", |(_, tag)| tag);
+    let oci = oci_files(reference, tag, &config, &[&layer], "{}");
+    let mut tar = TarWriter::new(Vec::new(), 0);
+    tar.dir("blobs/", 0o755, 0)?;
+    tar.dir("blobs/sha256/", 0o755, 0)?;
+    for (name, data) in &oci.files {
+        tar.file(name, 0o644, data)?;
+    }
+    let bytes = tar.finish()?;
+    let partial = archive.with_extension("tar.partial");
+    std::fs::write(&partial, &bytes).with_context(|| format!("writing {}", partial.display()))?;
+    std::fs::rename(&partial, archive).with_context(|| format!("writing {}", archive.display()))
 }
 
 fn json_str(s: &str) -> String {

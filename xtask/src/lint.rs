@@ -23,7 +23,11 @@ const LINT_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 const ALL_OPTIONS: &str = "metrics.enabled=true,metrics.serviceMonitor.enabled=true,\
     controller.replicas=1,aws.region=us-east-1,aws.endpointUrl=http://127.0.0.1:5000,\
     aws.credentialsSecret=aws-credentials,aws.clusterId=prod-1,aws.defaultZone=us-east-1a,node.hostNetwork=true,storageClass.isDefault=true,\
-    volumeSnapshotClass.isDefault=true,imagePullSecrets[0].name=pull";
+    volumeSnapshotClass.isDefault=true,imagePullSecrets[0].name=pull,\
+    controller.extraArgs[0]=--poll-initial-ms=100,controller.extraEnv[0].name=HTTPS_PROXY,\
+    controller.extraEnv[0].value=http://proxy:3128,node.extraArgs[0]=--device-wait-seconds=60,\
+    node.extraVolumes[0].name=extra,node.extraVolumes[0].hostPath.path=/srv/extra,\
+    node.extraVolumeMounts[0].name=extra,node.extraVolumeMounts[0].mountPath=/srv/extra";
 
 pub fn run() -> Result<()> {
     helm_lint()?;

@@ -3,8 +3,10 @@
 //! caller's working directory.
 
 mod bench;
+mod cluster;
 mod codegen;
 mod demo;
+mod e2e;
 mod images;
 mod lint;
 mod render;
@@ -25,7 +27,10 @@ tasks:
   sanity [--keep]     run csi-sanity against the local backend, for mount and block volumes
                       (--keep: keep the logs and reports in target/sanity/<pid>/ after a success)
   demo                run test-support's ferrovol-demo against the driver binaries
-  bench [-- args]     run test-support's ferrovol-bench against release builds of the driver
+  bench [-- args]     run test-support's ferrovol-bench against release builds of the driver:
+                      local lifecycles, then aws against moto (EC2 calls per lifecycle, 100 at
+                      once); `-- --backend local|aws` picks one (other flags: the top of
+                      crates/test-support/src/bin/bench.rs)
   images [--test]     build the ferrovol-controller and ferrovol-node images into target/images/
                       without a container engine, checked reproducible (--test: run them under
                       podman and containerd; --update-lock: pin Debian's current packages in
@@ -35,6 +40,12 @@ tasks:
   lint                helm lint --strict, kube-linter on deploy/kubernetes, actionlint on the
                       workflows
   helm <args>         run the pinned helm (the release workflow packages and pushes the chart)
+  cluster up|down|status
+                      a one-node Kubernetes cluster on this machine for the e2e tests (root;
+                      kubeconfig target/cluster/kubeconfig, logs target/cluster/logs/)
+  e2e [--keep] [--backend local|aws|all] [-- FILTER…]
+                      cluster up, the driver's images and chart installed, the kube-rs tests of
+                      e2e/ for each backend (aws against moto), cluster down (--keep: leave it up)
 
 Tasks that run the driver do so in a private mount namespace (unshare), which needs root.
 Pinned tools such as csi-sanity are cached in $FERROVOL_CACHE (default ~/.cache/ferrovol).
@@ -57,6 +68,8 @@ fn main() -> Result<()> {
         "render" => render::run(util::flag(&rest, "--check")),
         "lint" => lint::run(),
         "helm" => render::helm_passthrough(&rest),
+        "cluster" => cluster::run(&rest),
+        "e2e" => e2e::run(&rest),
         "" | "help" | "--help" | "-h" => {
             print!("{USAGE}");
             Ok(())

@@ -31,7 +31,6 @@ const EXPANDED_VOLUME_SIZE: &str = "134217728"; // 128 MiB
 const AWS_VOLUME_SIZE: &str = "1073741824";
 const AWS_EXPANDED_VOLUME_SIZE: &str = "2147483648";
 
-const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const INNER_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 const SANITY_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 const SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,7 +43,7 @@ pub fn run(keep: bool) -> Result<()> {
     let moto = tools::moto()?;
     util::run(
         util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
-        BUILD_TIMEOUT,
+        util::BUILD_TIMEOUT,
     )
     .context("building the driver binaries")?;
 

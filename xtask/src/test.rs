@@ -10,7 +10,6 @@ use std::time::Duration;
 
 const FMT_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 const CLIPPY_TIMEOUT: Duration = Duration::from_secs(30 * 60);
-const BUILD_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const TEST_TIMEOUT: Duration = Duration::from_secs(40 * 60);
 
 pub fn run() -> Result<()> {
@@ -41,7 +40,7 @@ pub fn run() -> Result<()> {
     step("build", || {
         util::run(
             util::cargo().args(["build", "--profile", util::PROFILE, "--workspace", "--bins"]),
-            BUILD_TIMEOUT,
+            util::BUILD_TIMEOUT,
         )
     })?;
     step("cargo test", || {

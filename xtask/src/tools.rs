@@ -75,6 +75,27 @@ pub const IMAGE_TEST_COMMANDS: &[(&str, &str)] = &[
     ("ctr", "containerd"),
 ];
 
+/// Commands `cargo xtask cluster` runs, and the Debian 12 package providing each: the container
+/// runtime, the CNI plugins (Debian installs them in /usr/lib/cni, checked by
+/// [`cluster_packages`]), what kube-proxy and the kubelet call, the workload image's busybox,
+/// and openssl for the cluster's certificates.
+pub const CLUSTER_COMMANDS: &[(&str, &str)] = &[
+    ("containerd", "containerd"),
+    ("ctr", "containerd"),
+    ("runc", "runc"),
+    ("iptables", "iptables"),
+    ("iptables-save", "iptables"),
+    ("iptables-restore", "iptables"),
+    ("conntrack", "conntrack"),
+    ("ip", "iproute2"),
+    ("busybox", "busybox-static"),
+    ("openssl", "openssl"),
+    ("socat", "socat"),
+    ("nsenter", "util-linux"),
+    ("losetup", "mount"),
+    ("gcc", "gcc"),
+];
+
 /// Commands `cargo xtask lint` runs besides the Go tools: actionlint checks the workflows'
 /// `run:` scripts with shellcheck.
 pub const LINT_COMMANDS: &[(&str, &str)] = &[("shellcheck", "shellcheck")];
@@ -218,6 +239,19 @@ pub fn lint_packages() -> Result<()> {
     install_missing(LINT_COMMANDS)
 }
 
+/// [`debian_packages`] for [`CLUSTER_COMMANDS`], plus the CNI plugins, which are no commands in
+/// PATH.
+pub fn cluster_packages() -> Result<()> {
+    install_missing(CLUSTER_COMMANDS)?;
+    if !Path::new(CNI_BIN_DIR).join("bridge").is_file() {
+        install_missing(&[("/usr/lib/cni/bridge", "containernetworking-plugins")])?;
+    }
+    Ok(())
+}
+
+/// Where Debian's containernetworking-plugins puts the plugins.
+pub const CNI_BIN_DIR: &str = "/usr/lib/cni";
+
 fn install_missing(table: &[(&str, &str)]) -> Result<()> {
     let missing: Vec<&(&str, &str)> = table
         .iter()
@@ -291,8 +325,9 @@ pub fn cache_dir() -> Result<PathBuf> {
     })
 }
 
-/// An executable named `name` in PATH, /usr/sbin, /sbin or one of `extra_dirs`.
-fn find_command(name: &str, extra_dirs: &[&str]) -> Option<PathBuf> {
+/// An executable named `name` in PATH, /usr/sbin, /sbin or one of `extra_dirs` (`name` may also be
+/// an absolute path).
+pub fn find_command(name: &str, extra_dirs: &[&str]) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
@@ -311,7 +346,7 @@ fn find_command(name: &str, extra_dirs: &[&str]) -> Option<PathBuf> {
 }
 
 /// Effective uid 0, read from /proc/self/status (`Uid: real effective saved fs`).
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
         status
             .lines()

@@ -2,6 +2,11 @@
 /// cold CI run compiles the workspace (aws-sdk-ec2 above all) once, not once per purpose.
 pub const PROFILE: &str = "release";
 
+/// Bound of a release build of the workspace. A cold one (aws-sdk-ec2 and LTO links) takes
+/// 20-odd minutes on 2 cores, much longer when the machine is shared; the bound only catches a
+/// hang.
+pub const BUILD_TIMEOUT: Duration = Duration::from_secs(50 * 60);
+
 use anyhow::{Context, Result, bail};
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -167,7 +172,7 @@ fn process_group(pid: u32) -> Option<u32> {
     stat_fields(&pid.to_string()).map(|(_, _, pgrp)| pgrp)
 }
 
-fn descendants(root: u32) -> Vec<String> {
+pub fn descendants(root: u32) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -417,7 +422,7 @@ pub fn run_with_test_root(
 
 /// Takes `<dir>.lock` (flock, released when the returned file is dropped), failing at once if
 /// another xtask holds it. Only xtask takes it: anything else sharing `dir` is not kept out.
-fn lock_dir(dir: &Path) -> Result<std::fs::File> {
+pub fn lock_dir(dir: &Path) -> Result<std::fs::File> {
     let mut name = dir.file_name().unwrap_or_default().to_os_string();
     name.push(".lock");
     let path = dir.with_file_name(name);
@@ -469,11 +474,13 @@ mod tests {
             .arg(r#"sh -c 'echo $$ > "$1"; exec sleep 30' sh "$1"; sleep 30"#);
         cmd.arg("sh").arg(&pid_file);
         let started = Instant::now();
-        let err = run(&mut cmd, Duration::from_millis(500))
+        // Long enough for the grandchild to have started even on a loaded machine (with
+        // 500 ms it sometimes had not written its pid yet).
+        let err = run(&mut cmd, Duration::from_secs(3))
             .expect_err("must time out")
             .to_string();
-        assert!(err.contains("timed out after 0 s"), "{err}");
-        assert!(started.elapsed() < Duration::from_secs(10));
+        assert!(err.contains("timed out after 3 s"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(15));
         let pid = std::fs::read_to_string(&pid_file).expect("grandchild pid");
         std::thread::sleep(Duration::from_millis(100));
         // Killed, so at most a zombie awaiting its reaper.
