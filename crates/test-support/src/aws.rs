@@ -101,6 +101,52 @@ pub fn client(endpoint: &str) -> aws_sdk_ec2::Client {
     aws_sdk_ec2::Client::from_conf(conf)
 }
 
+/// A filter on the tag `tag=value`.
+pub fn tagged(tag: &str, value: &str) -> aws_sdk_ec2::types::Filter {
+    aws_sdk_ec2::types::Filter::builder()
+        .name(format!("tag:{tag}"))
+        .values(value)
+        .build()
+}
+
+/// Ids of the volumes in the emulator carrying `tag=value`, whatever their state.
+pub async fn volumes_tagged(
+    ec2: &aws_sdk_ec2::Client,
+    tag: &str,
+    value: &str,
+) -> Result<Vec<String>> {
+    let out = ec2
+        .describe_volumes()
+        .filters(tagged(tag, value))
+        .send()
+        .await
+        .context("DescribeVolumes in moto")?;
+    Ok(out
+        .volumes()
+        .iter()
+        .filter_map(|v| v.volume_id().map(str::to_string))
+        .collect())
+}
+
+/// Ids of the snapshots in the emulator carrying `tag=value`.
+pub async fn snapshots_tagged(
+    ec2: &aws_sdk_ec2::Client,
+    tag: &str,
+    value: &str,
+) -> Result<Vec<String>> {
+    let out = ec2
+        .describe_snapshots()
+        .filters(tagged(tag, value))
+        .send()
+        .await
+        .context("DescribeSnapshots in moto")?;
+    Ok(out
+        .snapshots()
+        .iter()
+        .filter_map(|s| s.snapshot_id().map(str::to_string))
+        .collect())
+}
+
 /// Starts an instance in the emulator (the node the tests attach to).
 pub async fn run_instance(ec2: &aws_sdk_ec2::Client, zone: &str) -> Result<String> {
     let out = ec2

@@ -483,18 +483,8 @@ async fn aws_bench(sequential: usize, concurrency: usize) -> Result<()> {
     );
     print_calls(&proxy, concurrency);
     print_table(&mut s);
-    let left = moto
-        .client()
-        .describe_volumes()
-        .filters(
-            aws_sdk_ec2::types::Filter::builder()
-                .name("tag:ferrovol.dev/cluster")
-                .values("ferrovol")
-                .build(),
-        )
-        .send()
+    let left = aws::volumes_tagged(&moto.client(), "ferrovol.dev/cluster", "ferrovol")
         .await?
-        .volumes()
         .len();
     if left != 0 {
         bail!("the aws benchmark left {left} volumes in the emulator");

@@ -185,18 +185,8 @@ async fn controller_rpcs_against_the_emulator() -> anyhow::Result<()> {
         .volume
         .unwrap();
     assert_eq!(again.volume_id, vol.volume_id);
-    let named = w
-        .ec2
-        .describe_volumes()
-        .filters(
-            aws_sdk_ec2::types::Filter::builder()
-                .name("tag:CSIVolumeName")
-                .values("pvc-a")
-                .build(),
-        )
-        .send()
-        .await?;
-    assert_eq!(named.volumes().len(), 1, "exactly one volume for the name");
+    let named = aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-a").await?;
+    assert_eq!(named.len(), 1, "exactly one volume for the name");
     let mut other = req.clone();
     other.capacity_range = Some(CapacityRange {
         required_bytes: 8 * GIB,
@@ -501,22 +491,8 @@ async fn controller_rpcs_against_the_emulator() -> anyhow::Result<()> {
             .await?;
         }
     }
-    let left = w
-        .ec2
-        .describe_volumes()
-        .filters(
-            aws_sdk_ec2::types::Filter::builder()
-                .name("tag:ferrovol.dev/cluster")
-                .values("ferrovol")
-                .build(),
-        )
-        .send()
-        .await?;
-    assert!(
-        left.volumes().is_empty(),
-        "nothing leaked: {:?}",
-        left.volumes()
-    );
+    let left = aws::volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol").await?;
+    assert!(left.is_empty(), "nothing leaked: {left:?}");
     let text = scrape(w.metrics);
     assert!(
         text.contains("ferrovol_cloud_api_request_duration_seconds_bucket"),

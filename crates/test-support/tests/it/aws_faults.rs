@@ -7,8 +7,8 @@
 #![allow(clippy::unwrap_used)] // test code: a panic with a line number is the report
 
 use crate::aws::{World, world_with, zone_topology};
-use aws_sdk_ec2::types::{Filter, VolumeState};
 use std::time::{Duration, Instant};
+use test_support::aws;
 use test_support::faultproxy::{Fault, FaultProxy};
 use test_support::v1::*;
 use test_support::*;
@@ -18,46 +18,6 @@ const GIB: i64 = 1 << 30;
 
 fn proxy(w: &World) -> &FaultProxy {
     w.proxy.as_ref().unwrap()
-}
-
-fn tagged(tag: &str, value: &str) -> Filter {
-    Filter::builder()
-        .name(format!("tag:{tag}"))
-        .values(value)
-        .build()
-}
-
-/// Live volumes in the emulator carrying `tag=value`, asked directly (not through the proxy).
-async fn volumes_tagged(ec2: &aws_sdk_ec2::Client, tag: &str, value: &str) -> Vec<String> {
-    let out = ec2
-        .describe_volumes()
-        .filters(tagged(tag, value))
-        .send()
-        .await
-        .unwrap();
-    out.volumes()
-        .iter()
-        .filter(|v| {
-            !matches!(
-                v.state(),
-                Some(VolumeState::Deleting | VolumeState::Deleted)
-            )
-        })
-        .filter_map(|v| v.volume_id().map(str::to_string))
-        .collect()
-}
-
-async fn snapshots_tagged(ec2: &aws_sdk_ec2::Client, tag: &str, value: &str) -> Vec<String> {
-    let out = ec2
-        .describe_snapshots()
-        .filters(tagged(tag, value))
-        .send()
-        .await
-        .unwrap();
-    out.snapshots()
-        .iter()
-        .filter_map(|s| s.snapshot_id().map(str::to_string))
-        .collect()
 }
 
 fn request(name: &str) -> CreateVolumeRequest {
@@ -127,7 +87,7 @@ async fn a_create_through_faults_makes_exactly_one_volume() -> anyhow::Result<()
             .volume
             .unwrap();
         assert_eq!(
-            volumes_tagged(&w.ec2, "CSIVolumeName", name).await,
+            aws::volumes_tagged(&w.ec2, "CSIVolumeName", name).await?,
             vec![v.volume_id.clone()],
             "{name}: exactly one volume"
         );
@@ -154,13 +114,13 @@ async fn a_create_through_faults_makes_exactly_one_volume() -> anyhow::Result<()
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("VolumeLimitExceeded"), "{e:?}");
     assert!(
-        volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-quota")
-            .await
+        aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-quota")
+            .await?
             .is_empty()
     );
     let v = c.create_volume(request("pvc-quota")).await?.into_inner();
     assert_eq!(
-        volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-quota").await,
+        aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-quota").await?,
         vec![v.volume.unwrap().volume_id]
     );
 
@@ -171,13 +131,13 @@ async fn a_create_through_faults_makes_exactly_one_volume() -> anyhow::Result<()
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
     p.clear();
     assert!(
-        volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-storm")
-            .await
+        aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-storm")
+            .await?
             .is_empty()
     );
 
     // Snapshots have no ClientToken at all: only the lookup by name prevents a duplicate.
-    let source = volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-quota").await[0].clone();
+    let source = aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-quota").await?[0].clone();
     for (name, fault, times) in [
         ("snap-lost-answer", Fault::LoseAnswer, 1),
         ("snap-throttled", Fault::Throttle, 2),
@@ -195,7 +155,7 @@ async fn a_create_through_faults_makes_exactly_one_volume() -> anyhow::Result<()
             .snapshot
             .unwrap();
         assert_eq!(
-            snapshots_tagged(&w.ec2, "CSIVolumeSnapshotName", name).await,
+            aws::snapshots_tagged(&w.ec2, "CSIVolumeSnapshotName", name).await?,
             vec![s.snapshot_id.clone()],
             "{name}: exactly one snapshot"
         );
@@ -206,7 +166,7 @@ async fn a_create_through_faults_makes_exactly_one_volume() -> anyhow::Result<()
         .await?;
     }
 
-    for id in volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol").await {
+    for id in aws::volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol").await? {
         c.delete_volume(DeleteVolumeRequest {
             volume_id: id,
             ..Default::default()
@@ -214,13 +174,13 @@ async fn a_create_through_faults_makes_exactly_one_volume() -> anyhow::Result<()
         .await?;
     }
     assert!(
-        volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
-            .await
+        aws::volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
+            .await?
             .is_empty()
     );
     assert!(
-        snapshots_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
-            .await
+        aws::snapshots_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
+            .await?
             .is_empty()
     );
     assert!(
@@ -366,8 +326,8 @@ async fn every_lifecycle_completes_through_faults_and_nothing_leaks() -> anyhow:
         })
         .await;
         assert!(
-            volumes_tagged(&w.ec2, "CSIVolumeName", &name)
-                .await
+            aws::volumes_tagged(&w.ec2, "CSIVolumeName", &name)
+                .await?
                 .is_empty(),
             "lifecycle {i}: the volume is gone"
         );
@@ -393,8 +353,8 @@ async fn every_lifecycle_completes_through_faults_and_nothing_leaks() -> anyhow:
 
     // Nothing left: no volume of ours in the emulator, no disk on the node, no mount.
     assert!(
-        volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
-            .await
+        aws::volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
+            .await?
             .is_empty()
     );
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -436,7 +396,7 @@ async fn a_controller_killed_mid_create_returns_the_same_volume_after_restart() 
     });
     let deadline = Instant::now() + Duration::from_secs(10);
     let made = loop {
-        let ids = volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-killed").await;
+        let ids = aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-killed").await?;
         if !ids.is_empty() {
             break ids;
         }
@@ -465,7 +425,7 @@ async fn a_controller_killed_mid_create_returns_the_same_volume_after_restart() 
         "the volume made before the kill"
     );
     assert_eq!(
-        volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-killed").await,
+        aws::volumes_tagged(&w.ec2, "CSIVolumeName", "pvc-killed").await?,
         made,
         "no duplicate"
     );
@@ -481,8 +441,8 @@ async fn a_controller_killed_mid_create_returns_the_same_volume_after_restart() 
         })
         .await?;
     assert!(
-        volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
-            .await
+        aws::volumes_tagged(&w.ec2, "ferrovol.dev/cluster", "ferrovol")
+            .await?
             .is_empty()
     );
     Ok(())
