@@ -74,6 +74,12 @@ struct Args {
     #[arg(long, env = "FERROVOL_POLL_INITIAL_MS", default_value_t = 500)]
     poll_initial_ms: u64,
 
+    /// aws: how long an expand or modify waits for company before one ModifyVolume carries
+    /// them all (milliseconds). EBS allows one modification per volume every six hours, so
+    /// external-resizer's expand and modify must land in the same window.
+    #[arg(long, env = "FERROVOL_MODIFY_WINDOW_MS", default_value_t = 2000)]
+    modify_window_ms: u64,
+
     /// aws: EC2 call attempts (adaptive retry of throttling and server errors).
     #[arg(long, env = "FERROVOL_AWS_MAX_ATTEMPTS", default_value_t = 10)]
     aws_max_attempts: u32,
@@ -161,6 +167,7 @@ async fn run(args: Args) -> Result<()> {
                 default_zone: args.default_zone.clone(),
                 batching: args.batching,
                 poll_initial: Duration::from_millis(args.poll_initial_ms),
+                modify_window: Duration::from_millis(args.modify_window_ms),
                 max_attempts: args.aws_max_attempts.max(1),
                 ..AwsConfig::default()
             };

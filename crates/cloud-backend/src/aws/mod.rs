@@ -49,7 +49,9 @@ pub struct AwsConfig {
     pub batching: bool,
     /// How long a batch waits for company before it is sent.
     pub batch_window: Duration,
-    /// How long expand/modify requests wait to be merged into one ModifyVolume.
+    /// How long expand/modify requests wait to be merged into one ModifyVolume. EBS accepts one
+    /// modification per volume every six hours, so a second call that misses the window fails
+    /// for hours; aws-ebs-csi-driver waits 2 s for the same reason.
     pub modify_window: Duration,
     /// First delay of the polling backoff (CreateVolume, attach, detach waits).
     pub poll_initial: Duration,
@@ -68,7 +70,7 @@ impl Default for AwsConfig {
             default_zone: None,
             batching: true,
             batch_window: Duration::from_millis(50),
-            modify_window: Duration::from_millis(200),
+            modify_window: Duration::from_secs(2),
             poll_initial: Duration::from_millis(500),
             attach_stuck_after: Duration::from_secs(90),
             max_attempts: 10,
