@@ -41,7 +41,34 @@ pub fn target_dir() -> PathBuf {
 /// The cargo that runs this xtask (`cargo run` sets `CARGO`), so nested builds use the same
 /// toolchain.
 pub fn cargo() -> Command {
-    Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+    let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    forget_cargo_run_env(&mut cmd);
+    cmd
+}
+
+/// Drops what `cargo run` set for xtask itself from a child's environment. ring's build script
+/// declares `rerun-if-env-changed` on CARGO_MANIFEST_DIR and CARGO_PKG_*, so a nested cargo that
+/// inherited xtask's values and a cargo started by hand would each find the other's ring stale,
+/// and rebuild it and everything above it (aws-sdk-ec2: twenty minutes) on every switch.
+fn forget_cargo_run_env(cmd: &mut Command) {
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(is_cargo_run_var) {
+            cmd.env_remove(name);
+        }
+    }
+}
+
+fn is_cargo_run_var(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || matches!(
+            name,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+        )
 }
 
 /// `unshare --mount --propagation private -- <program>`: the program and everything it starts run
@@ -52,6 +79,8 @@ pub fn unshare(program: impl AsRef<OsStr>) -> Command {
     let mut cmd = Command::new("unshare");
     cmd.args(["--mount", "--propagation", "private", "--"])
         .arg(program);
+    // The program is often cargo itself (see `cargo`).
+    forget_cargo_run_env(&mut cmd);
     if let Some(ns) = mount_namespace() {
         cmd.env(HOST_MNT_NS_VAR, ns);
     }
@@ -455,6 +484,24 @@ pub fn tail(path: &Path, n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// cargo sets CARGO_MANIFEST_DIR and CARGO_PKG_NAME for this test binary too, so both must
+    /// be removed from a nested cargo's environment, while CARGO_HOME-style settings stay.
+    #[test]
+    fn nested_cargo_does_not_inherit_what_cargo_run_set() {
+        assert!(std::env::var_os("CARGO_MANIFEST_DIR").is_some());
+        for cmd in [cargo(), unshare("cargo")] {
+            let removed: Vec<_> = cmd
+                .get_envs()
+                .filter(|(_, v)| v.is_none())
+                .map(|(k, _)| k.to_string_lossy().into_owned())
+                .collect();
+            for var in ["CARGO_MANIFEST_DIR", "CARGO_PKG_NAME", "CARGO_PKG_VERSION"] {
+                assert!(removed.iter().any(|r| r == var), "{var} kept: {removed:?}");
+            }
+            assert!(!removed.iter().any(|r| r == "CARGO_HOME" || r == "CARGO"));
+        }
+    }
 
     #[test]
     fn mountinfo_escapes() {
